@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo browser test lint clean
 
 $(BIN)/tunesmith: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,14 @@ setup: $(BIN)/tunesmith
 demo: setup
 	$(BIN)/tunesmith demo
 
-test: setup
+# Headless Chromium for the report's browser test (skipped, with its reason, where Chromium is missing).
+browser:
+	@if [ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "note: no apt-get here; install Chromium to run the report's browser test"; \
+	elif [ "$$(id -u)" != 0 ]; then echo "note: not root; 'sudo apt-get install -y chromium' to run the report's browser test"; \
+	else apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-dejavu-core; fi
+
+test: setup browser
 	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest -q
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 
@@ -14,6 +15,9 @@ from tunesmith.errors import TunesmithError
 def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f in C.fields_of(cls):
+        if f.metadata.get("positional"):  # `tunesmith report RUN_DIR`
+            parser.add_argument(f.name, metavar=f.name.upper(), help=f.metadata.get("help", ""))
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = ",".join(default) if isinstance(default, list) else default
@@ -62,6 +66,24 @@ def _merge(cfg):
     print(f"merged model saved to {merge(cfg.model, cfg.adapter, cfg.output, cfg.dtype, cfg.trust_remote_code)}")
 
 
+def _report(cfg):
+    from tunesmith.report import write_report
+
+    write_report(cfg.run_dir, cfg.output or None)
+
+
+def _fit(cfg):
+    from tunesmith.memory import fit_from_config
+
+    fit_from_config(cfg)
+
+
+def _parity(cfg):
+    from tunesmith.parity import parity_from_config
+
+    parity_from_config(cfg)
+
+
 def _demo(cfg):
     from tunesmith.pipeline import demo
 
@@ -73,6 +95,9 @@ VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "generate": (C.GenerateConfig, _generate, "generate text from a model, with or without an adapter"),
     "eval": (C.EvalConfig, _eval, "loss and perplexity on a dataset's validation split"),
     "merge": (C.MergeConfig, _merge, "fold an adapter into the model and save a plain HF folder"),
+    "report": (C.ReportConfig, _report, "write a run folder's report.html: loss curves, samples, memory, quality ladder"),
+    "fit": (C.FitConfig, _fit, "will it fit? predict training peak memory by part from the model's config alone"),
+    "parity": (C.ParityConfig, _parity, "check that the device's logits and greedy output match the CPU's"),
     "demo": (C.DemoConfig, _demo, "the whole workflow on the built-in model and Shakespeare"),
 }
 
@@ -87,8 +112,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Library progress bars and deprecation chatter would bury tunesmith's own output."""
+    import os
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
+    if sys.platform == "darwin":  # torch reads this when it loads: ops MPS lacks then run on the CPU, not fail
+        os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
+    _quiet_libraries()
     verb, yaml_path = args.pop("verb"), args.pop("config", None)
     cls, run, _ = VERBS[verb]
     try:

@@ -27,6 +27,14 @@ def opt(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+def same_as(cls: type, name: str) -> Any:
+    """Another stage's field, default and help included: a planner flag means what the trainer flag means."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return field(default_factory=f.default_factory, metadata=f.metadata)
+    return field(default=f.default, metadata=f.metadata)
+
+
 def batch_size_value(value: str | int) -> int | str:
     """A micro-batch size: a positive integer, or 'auto' (the fit planner picks the largest that fits)."""
     if value == "auto":
@@ -132,6 +140,36 @@ class DemoConfig(TrainConfig):
     eval_every: int = opt(0, "evaluate every N steps during training (0: only at the end)")
     sample_tokens: int = opt(60, "tokens per before/after sample")
     sample_temperature: float = opt(0.7, "temperature of the before/after samples")
+
+
+@dataclass
+class ReportConfig:
+    run_dir: str = opt("", "run folder written by train or demo (holds metrics.jsonl)", positional=True)
+    output: str = opt("", "HTML file to write; empty means <run-dir>/report.html")
+
+
+@dataclass
+class FitConfig(ModelConfig):
+    """`tunesmith fit`: the training flags that move memory, read as `train` reads them."""
+
+    seq_len: int = same_as(DataConfig, "seq_len")
+    batch_size: int | str = same_as(TrainConfig, "batch_size")
+    lora_rank: int = same_as(TrainConfig, "lora_rank")
+    lora_targets: list[str] = same_as(TrainConfig, "lora_targets")
+    lora_dropout: float = same_as(TrainConfig, "lora_dropout")
+    gradient_checkpointing: bool = same_as(TrainConfig, "gradient_checkpointing")
+    optimizer: str = opt("adamw", "optimizer whose state to count (train uses AdamW)", choices=["adamw", "sgd"])
+    memory_gib: float = opt(0.0, "plan for a machine with this much memory instead of this one (0: this device)")
+
+
+@dataclass
+class ParityConfig(ModelConfig):
+    """`tunesmith parity`: the same prompts on --device and on the CPU (fp32), compared."""
+
+    adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply on both sides")
+    prompts: str | None = opt(None, "text file with one prompt per line (default: a few built-in prompts)")
+    max_tokens: int = opt(32, "greedy tokens generated per prompt on each side")
+    tolerance: float = opt(0.0, "largest relative logit difference allowed (0: the default for the precision)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

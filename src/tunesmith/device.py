@@ -1,6 +1,12 @@
-"""Which backend runs the work (cuda / mps / cpu) and which precision it can do."""
+"""Which backend runs the work (cuda / mps / cpu), what it can do (bf16, fp16, fused attention, memory), and how
+to recognise and recover from its out-of-memory errors."""
 
 from __future__ import annotations
+
+import gc
+import os
+import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -8,6 +14,14 @@ from tunesmith.errors import TunesmithError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MPS_FALLBACK = "PYTORCH_ENABLE_MPS_FALLBACK"  # torch reads it when it loads: ops MPS lacks then run on the CPU
+# How each backend words running out of memory (CUDA and recent torch also raise torch.OutOfMemoryError).
+OOM_MESSAGES = (
+    "CUDA out of memory",
+    "MPS backend out of memory",
+    "DefaultCPUAllocator: can't allocate memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+)
 
 
 def mps_available() -> bool:
@@ -48,16 +62,120 @@ def supports_bf16(device: torch.device) -> bool:
     return True  # CPU computes bf16, though usually no faster than fp32
 
 
-def _mps_bf16_supported() -> bool:
-    # bf16 on MPS needs macOS 14 (Sonoma) and a torch that implements it.
-    import platform
-
+def macos_major() -> int:
+    """The macOS major version (14 for Sonoma), or 0 when not on macOS."""
     release = platform.mac_ver()[0]
     try:
-        major = int(release.split(".")[0]) if release else 0
+        return int(release.split(".")[0]) if release else 0
     except ValueError:
-        major = 0
-    return major >= 14
+        return 0
+
+
+def _mps_bf16_supported() -> bool:
+    # bf16 on MPS needs macOS 14 (Sonoma) and a torch that implements it: ask for one bf16 tensor.
+    if macos_major() < 14:
+        return False
+    try:
+        torch.ones(1, dtype=torch.bfloat16, device="mps")
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def supports_fp16(device: torch.device) -> bool:
+    """fp16 training (autocast + loss scaling): CUDA and MPS yes; the CPU has no fast fp16 path."""
+    return device.type in ("cuda", "mps")
+
+
+def fused_sdpa(device: torch.device) -> bool:
+    """Whether scaled_dot_product_attention has a fused kernel here, so attention memory grows with S, not S^2."""
+    if device.type == "cuda":
+        return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+    if device.type == "mps":
+        return _torch_at_least(2, 5)  # the Metal SDPA kernel arrived in torch 2.5
+    return True  # torch's CPU flash-attention kernel (torch >= 2.2)
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+def mps_fallback_enabled() -> bool:
+    return os.environ.get(MPS_FALLBACK, "0").strip() not in ("", "0")
+
+
+def enable_mps_fallback() -> str:
+    """Set PYTORCH_ENABLE_MPS_FALLBACK=1 unless the user chose a value, and say what holds.
+
+    torch reads the variable when it loads, so the CLI sets it before importing torch; from Python, set it
+    before `import torch` for it to take effect.
+    """
+    if MPS_FALLBACK in os.environ:
+        state = "on" if mps_fallback_enabled() else "off (set by you)"
+        return f"{MPS_FALLBACK}={os.environ[MPS_FALLBACK]}: CPU fallback for ops MPS lacks is {state}"
+    os.environ[MPS_FALLBACK] = "1"
+    return (f"set {MPS_FALLBACK}=1 for ops MPS lacks; torch had already loaded, so it applies to the next "
+            "process: set it before importing torch")
+
+
+def memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(total, available) bytes for tensors on this device.
+
+    CUDA: cudaMemGetInfo. MPS: Metal's recommended working set, capped by free system RAM, since the GPU shares
+    memory with the CPU. CPU: system RAM.
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total), int(free)
+    ram_total, ram_free = _system_ram()
+    if device.type == "mps":
+        limit = int(torch.mps.recommended_max_memory())
+        used = int(torch.mps.driver_allocated_memory())
+        return limit, max(0, min(limit - used, ram_free))
+    return ram_total, ram_free
+
+
+def _system_ram() -> tuple[int, int]:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.available)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a device can do, for the planner and for `tunesmith fit`'s header line."""
+
+    device: str
+    name: str
+    bf16: bool
+    fp16: bool
+    fused_sdpa: bool
+    total_bytes: int
+    available_bytes: int
+    mps_fallback: bool  # PYTORCH_ENABLE_MPS_FALLBACK set (only matters on MPS)
+
+    def summary(self) -> str:
+        gib = 2**30
+        kinds = [p for p, ok in (("bf16", self.bf16), ("fp16", self.fp16)) if ok] + ["fp32"]
+        line = (f"{self.device} ({self.name}): {', '.join(kinds)}; fused attention {'yes' if self.fused_sdpa else 'no'}; "
+                f"memory {self.available_bytes / gib:.1f} GiB available of {self.total_bytes / gib:.1f} GiB")
+        if self.device.startswith("mps"):
+            line += f"; {MPS_FALLBACK} {'on' if self.mps_fallback else 'off'}"
+        return line
+
+
+def capabilities(device: torch.device) -> Capabilities:
+    total, available = memory_bytes(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "mps":
+        name = f"Apple GPU, macOS {platform.mac_ver()[0] or '?'}"
+    else:
+        name = platform.processor() or platform.machine() or "cpu"
+    return Capabilities(str(device), name, supports_bf16(device), supports_fp16(device), fused_sdpa(device),
+                        total, available, mps_fallback_enabled())
 
 
 def resolve_precision(device: torch.device, requested: str = "auto") -> str:
@@ -70,8 +188,9 @@ def resolve_precision(device: torch.device, requested: str = "auto") -> str:
     if requested not in PRECISIONS:
         raise TunesmithError(f"unknown precision {requested!r}; use auto, fp32, bf16 or fp16")
     if requested == "bf16" and not supports_bf16(device):
-        raise TunesmithError(f"bf16 is not supported on {device} here; use --precision fp16 or fp32")
-    if requested == "fp16" and device.type == "cpu":
+        why = " (bf16 on MPS needs macOS 14+ and a torch that supports it)" if device.type == "mps" else ""
+        raise TunesmithError(f"bf16 is not supported on {device} here{why}; use --precision fp16 or fp32")
+    if requested == "fp16" and not supports_fp16(device):
         raise TunesmithError("fp16 training is not supported on the CPU; use --precision fp32 or bf16")
     return requested
 
@@ -99,3 +218,19 @@ def peak_memory_bytes(device: torch.device) -> int:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether `exc` is an out-of-memory error from any backend (CUDA, MPS, a CPU allocation)."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
+
+
+def free_memory(device: torch.device) -> None:
+    """Give cached blocks back after an out-of-memory error (call it once the exception is dropped)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()

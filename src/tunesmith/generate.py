@@ -84,9 +84,13 @@ def stream_generate(
         token = sample_next(out.logits[0, -1], temperature, top_p, generator)
         generated.append(token)
         finished = token in stop
-        text = "" if finished else tokenizer.decode(generated, skip_special_tokens=True)
-        delta, text_so_far = (text[len(text_so_far) :], text) if not text.endswith("\ufffd") else ("", text_so_far)
         reason = "stop" if finished else ("length" if n == max_tokens else None)
+        text = tokenizer.decode(generated[:-1] if finished else generated, skip_special_tokens=True)
+        # Hold back a trailing partial character (U+FFFD) until its next bytes arrive, except at the end.
+        if reason or not text.endswith("\ufffd"):
+            delta, text_so_far = text[len(text_so_far) :], text
+        else:
+            delta = ""
         yield GenerationResponse(
             text=delta,
             token=token,

@@ -19,6 +19,7 @@ from tunesmith.evaluate import evaluate
 from tunesmith.generate import generate
 from tunesmith.merge import merge_model
 from tunesmith.models import load_model
+from tunesmith.report import write_report
 from tunesmith.train import train
 
 DEMO_PROMPTS = ("ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow, lords,")
@@ -73,7 +74,7 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
 
     train_cfg = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields_of(TrainConfig)})
     train_cfg = dataclasses.replace(train_cfg, output=str(run_dir))
-    result = train(train_cfg, model=model, tokenizer=tokenizer, data=data)
+    result = train(train_cfg, model=model, tokenizer=tokenizer, data=data, report=False)
     tuned = result.model
 
     ppl_after, after = measure(tuned)
@@ -84,6 +85,7 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
                      time.perf_counter() - started, merged_dir)
     _write(out)
     _print_table(console, out)
+    write_report(run_dir, echo=console.out)
     return out
 
 

@@ -17,7 +17,8 @@ from tunesmith.device import peak_memory_bytes, resolve_device, resolve_precisio
 from tunesmith.errors import TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
 from tunesmith.lora import attach_lora, trainable_parameters
-from tunesmith.models import load_model
+from tunesmith.models import load_model, load_tokenizer
+from tunesmith.report import write_report
 
 CALIBRATION_STEPS = 3  # steps timed before a time budget resizes the run
 
@@ -81,6 +82,7 @@ def train(
     tokenizer=None,
     data: TokenData | None = None,
     progress: bool = True,
+    report: bool = True,
 ) -> TrainResult:
     """Train a LoRA adapter as `cfg` says. Tests inject a small `model`, `tokenizer` and `data`."""
     from accelerate import Accelerator
@@ -100,10 +102,12 @@ def train(
     )
     set_seed(cfg.seed)
 
+    if model is None and tokenizer is None:
+        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    if data is None:  # before the weights: bad data fails in seconds, not after a long load
+        data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
     if model is None:
         model, tokenizer = load_model(cfg.model, accelerator.device, weight_dtype(device, precision), cfg.trust_remote_code)
-    if data is None:
-        data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     set_seed(cfg.seed)  # LoRA init draws from the RNG: same seed, same adapter
@@ -193,6 +197,8 @@ def train(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(result.adapter_dir, safe_serialization=True)
+        if report:  # report.html and a plain-text summary (the demo writes its own, with samples, at the end)
+            write_report(run_dir, echo=print if progress else None)
     result.model = accelerator.unwrap_model(model)
     return result
 

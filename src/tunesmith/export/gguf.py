@@ -1,0 +1,257 @@
+"""HF folder -> one llama.cpp GGUF file (f32, f16, q8_0, q4_0) with the tokenizer and chat template inside.
+
+Supported: the Llama family (model_type "llama": SmolLM, SmolLM2, Llama 3 with plain rope, TinyLlama-shaped
+models) with a byte-level BPE tokenizer ("gpt2" in GGUF terms). Tensor names come from the gguf package's own
+HF -> GGUF map and the q8_0 / q4_0 blocks from its reference quantizers, so the file is what llama.cpp's
+convert_hf_to_gguf.py + llama-quantize would write for the same weights. Anything else is a TunesmithError that
+says what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tunesmith.errors import TunesmithError
+
+QUANTS = ("f32", "f16", "q8_0", "q4_0")
+ALIASES = {"fp32": "f32", "fp16": "f16"}  # the export verb's precision names
+BLOCK = 32  # q8_0 and q4_0 blocks are fixed at 32 weights; --group-size cannot change that
+SUPPORTED_MODEL_TYPES = {"llama": "llama"}  # HF model_type -> GGUF general.architecture
+
+# llama.cpp picks its pre-tokenizer regex by name; these are the byte-level BPE layouts we can recognise exactly.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+
+
+def check_quant(quant: str, group_size: int | None = BLOCK) -> str:
+    """The GGUF type name for `quant` (fp32 -> f32, fp16 -> f16), or an error listing the valid ones."""
+    name = ALIASES.get(quant, quant)
+    if name not in QUANTS:
+        raise TunesmithError(f"--quant {quant!r} is not a GGUF type; choose one of {', '.join(QUANTS)}")
+    if name in ("q8_0", "q4_0") and group_size not in (None, BLOCK):
+        raise TunesmithError(f"GGUF {name} uses fixed blocks of {BLOCK} weights; drop --group-size {group_size}")
+    return name
+
+
+def export(model_dir: Path, output: Path, quant: str, group_size: int | None, max_seq_len: int) -> Path:
+    """Write `model_dir` (a plain HF folder) as one GGUF file; returns its path.
+
+    `output` is the .gguf file, or a folder that receives model-<quant>.gguf. `max_seq_len` is not used: the
+    file records the model's own context length, and llama.cpp picks the runtime context (-c).
+    """
+    import gguf
+
+    qname = check_quant(quant, group_size)
+    model_dir = Path(model_dir)
+    config = _llama_config(model_dir)
+    path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(tmp, SUPPORTED_MODEL_TYPES[config.model_type])
+    try:
+        _add_hparams(writer, config, qname, path.stem)
+        _add_tokenizer(writer, model_dir, config.vocab_size)
+        for name, data, qtype in _tensors(model_dir, config, qname):
+            writer.add_tensor(name, data, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    writer.close()
+    os.replace(tmp, path)  # a reader never sees half a file
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def _llama_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").is_file():
+        raise TunesmithError(f"{model_dir} is not a model folder: it has no config.json")
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise TunesmithError(
+            f"GGUF export supports the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}); this model is "
+            f"'{config.model_type}'. Export it with --format mlx, or convert it with llama.cpp's convert_hf_to_gguf.py"
+        )
+    problems = []
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {config.hidden_act} (llama.cpp's llama graph uses silu)")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        problems.append("bias terms in attention or MLP")
+    rope_type = _rope(config).get("rope_type", "default")
+    if rope_type not in ("default", "linear"):
+        problems.append(f"rope scaling '{rope_type}' (supported: default, linear)")
+    if problems:
+        raise TunesmithError(f"GGUF export cannot write this Llama model: {'; '.join(problems)}")
+    return config
+
+
+def _rope(config) -> dict:
+    """Rope settings across transformers versions: v5 `rope_parameters`, v4 `rope_theta` + `rope_scaling`."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _add_hparams(writer, config, qname: str, name: str) -> None:
+    import gguf
+
+    file_types = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    }
+    head_dim = _head_dim(config)
+    rope = _rope(config)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_file_type(file_types[qname])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads or config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF keeps each head's rotary halves apart ([x0..x63 | x64..x127]); llama.cpp interleaves them in pairs.
+
+    The same permutation as convert_hf_to_gguf.py's LlamaModel.permute; transformers' GGUF loader undoes it.
+    """
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor_type(name: str, data: np.ndarray, qname: str):
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if data.ndim == 1 or qname == "f32":
+        return T.F32  # norms stay f32 in every llama.cpp file type
+    if qname == "f16":
+        return T.F16
+    if qname == "q4_0" and name in ("token_embd.weight", "output.weight"):
+        # The output head (the tied embedding in SmolLM2) is the most quantization-sensitive matrix; llama-quantize
+        # keeps it at 6+ bits for q4 types, and q8_0 is the closest type the gguf package can write.
+        return T.Q8_0
+    return T.Q8_0 if qname == "q8_0" else T.Q4_0
+
+
+def _tensors(model_dir: Path, config, qname: str):
+    """(GGUF name, data, GGML type) for every weight, in file order, quantized where the file type says so."""
+    import gguf
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise TunesmithError(f"{model_dir} has no .safetensors weights")
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+                if name is None:
+                    raise TunesmithError(f"GGUF export: no llama.cpp tensor for '{key}' in {file.name}")
+                data = f.get_tensor(key).float().numpy()
+                if key.endswith("q_proj.weight"):
+                    data = _permute(data, n_head)
+                elif key.endswith("k_proj.weight"):
+                    data = _permute(data, n_kv)
+                qtype = _tensor_type(name, data, qname)
+                try:
+                    yield name, gguf.quants.quantize(data, qtype), qtype
+                except gguf.quants.QuantError:  # rows not a multiple of 32 (only in odd tiny models): keep f16
+                    yield name, data.astype(np.float16), gguf.GGMLQuantizationType.F16
+
+
+# -------------------------------------------------------------------------------------------- the tokenizer
+
+
+def pre_tokenizer_name(tokenizer_json: dict) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenizer (tokenizer.ggml.pre), or an error."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return "smollm"  # SmolLM / SmolLM2 as shipped on the hub
+    if kinds == ["Split", "ByteLevel"] and steps[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT:
+        return "llama-bpe"  # Llama 3
+    raise TunesmithError(
+        f"GGUF export: the tokenizer's pre-tokenizer ({' + '.join(map(str, kinds)) or 'none'}) is not one that "
+        "tunesmith maps to llama.cpp (GPT-2 byte-level, SmolLM, Llama 3)"
+    )
+
+
+def _add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
+    """Byte-level BPE vocab, merges, special ids, add-bos/eos and the chat template, as convert_hf_to_gguf does."""
+    import gguf
+    from tokenizers import Tokenizer
+
+    file = model_dir / "tokenizer.json"
+    if not file.is_file():
+        raise TunesmithError(f"GGUF export needs the tokenizer as {file} (a fast tokenizer's tokenizer.json)")
+    spec = json.loads(file.read_text(encoding="utf-8"))
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or model.get("byte_fallback") or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise TunesmithError(
+            "GGUF export supports byte-level BPE tokenizers (GPT-2 style, as in SmolLM2 and Llama 3); this one is "
+            f"{model.get('type')} with a {(spec.get('decoder') or {}).get('type')} decoder"
+        )
+    T = gguf.TokenType
+    tokens: dict[int, tuple[str, int]] = {i: (t, T.NORMAL) for t, i in model["vocab"].items()}
+    for added in spec.get("added_tokens", []):
+        tokens[added["id"]] = (added["content"], T.CONTROL if added.get("special") else T.USER_DEFINED)
+    if max(tokens) >= vocab_size:
+        raise TunesmithError(f"the tokenizer has token id {max(tokens)} but the model's vocab_size is {vocab_size}")
+    padded = [tokens.get(i, (f"[PAD{i}]", T.UNUSED)) for i in range(vocab_size)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_tokenizer_name(spec))
+    writer.add_token_list([t for t, _ in padded])
+    writer.add_token_types([k for _, k in padded])
+
+    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
+    if not special.merges:
+        raise TunesmithError(f"{file} has no BPE merges; llama.cpp cannot tokenize without them")
+    # Record what the HF tokenizer really does, so llama.cpp neither drops nor doubles a BOS.
+    ids = Tokenizer.from_file(str(file)).encode("a", add_special_tokens=True).ids
+    for kind in ("bos", "eos"):
+        tid = special.special_token_ids.get(kind)
+        if kind not in special.add_special_token and tid is not None:
+            special.add_special_token[kind] = bool(ids) and ids[0 if kind == "bos" else -1] == tid
+    special.add_to_gguf(writer, quiet=True)

