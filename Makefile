@@ -28,7 +28,12 @@ browser:
 	elif [ "$$(id -u)" != 0 ]; then echo "note: not root; 'sudo apt-get install -y chromium' to run the report's browser test"; \
 	else apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-dejavu-core; fi
 
-test: setup browser
+# The export formats' optional packages (mlx with its CPU backend, coremltools), so `make test` runs their tests.
+$(VENV)/.export-extras: $(BIN)/tunesmith
+	$(BIN)/pip install -q -e ".[mlx,coreml]"
+	touch $@
+
+test: setup browser $(VENV)/.export-extras
 	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest -q
 

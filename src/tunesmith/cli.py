@@ -30,8 +30,9 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
             kw["action"] = argparse.BooleanOptionalAction
         elif base in (int, float):
             kw["type"] = base
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
+        for extra in ("choices", "metavar", "nargs", "const"):  # nargs="?" + const: a flag with an optional value
+            if extra in f.metadata:
+                kw[extra] = f.metadata[extra]
         parser.add_argument(flag, **kw)
 
 
@@ -84,6 +85,36 @@ def _parity(cfg):
     parity_from_config(cfg)
 
 
+def _quantize(cfg):
+    from tunesmith.quantize import quantize
+
+    r = quantize(cfg)
+    print(f"{r.scheme}{f' g{r.group_size}' if r.scheme == 'int4' else ''}: {r.layers} linear layers quantized; "
+          f"saved to {r.output}")
+    for label, m in (("float", r.float), (r.scheme, r.quantized)):
+        print(f"  {label:>6}: {m.bytes / 2**20:8.1f} MiB  perplexity {m.perplexity:8.3f}  {m.tokens_per_s:6.1f} tok/s")
+
+
+def _export(cfg):
+    from tunesmith.export import export
+
+    print(f"exported {cfg.format} ({cfg.quant}) to {export(cfg)}")
+
+
+def _run(cfg):
+    from tunesmith.run import run
+
+    responses = run(cfg)
+    r = responses[-1]
+    print(f"[{r.prompt_tokens} prompt tokens at {r.prompt_tps:.1f} tok/s, {r.generated_tokens} generated at "
+          f"{r.generation_tps:.1f} tok/s, peak memory {r.peak_memory_bytes / 2**20:.0f} MiB]", file=sys.stderr)
+
+
+def _compare(cfg):
+    from tunesmith.compare import compare
+
+    compare(cfg)
+
 def _demo(cfg):
     from tunesmith.pipeline import demo
 
@@ -98,15 +129,26 @@ VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "report": (C.ReportConfig, _report, "write a run folder's report.html: loss curves, samples, memory, quality ladder"),
     "fit": (C.FitConfig, _fit, "will it fit? predict training peak memory by part from the model's config alone"),
     "parity": (C.ParityConfig, _parity, "check that the device's logits and greedy output match the CPU's"),
+    "quantize": (C.QuantizeConfig, _quantize, "int8 / int4 weight-only copy of a model for eager inference, vs float"),
+    "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, MLX or Core ML"),
+    "run": (C.RunConfig, _run, "generate from a .pte with the ExecuTorch runtime, streaming, with tokens/s"),
+    "compare": (C.CompareConfig, _compare, "the quality ladder: base, LoRA, merged, int8, int4, .pte on the same text"),
     "demo": (C.DemoConfig, _demo, "the whole workflow on the built-in model and Shakespeare"),
 }
+
+
+TRAINING_EXITS = (
+    "exit codes: 0 done; 2 a problem to fix (the message says how); 130 stopped by Ctrl-C (SIGINT) or 143 by SIGTERM, "
+    "each after finishing the current step and saving a checkpoint: run the same command with --resume to continue"
+)
+EPILOGS = {"train": TRAINING_EXITS, "demo": TRAINING_EXITS}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunesmith", description="Fine-tune an open LLM on your own text, then ship it.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (cls, _, help_text) in VERBS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOGS.get(name))
         p.add_argument("--config", metavar="YAML", help="YAML file of options; flags given here override it")
         _add_fields(p, cls)
     return parser
@@ -114,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_libraries() -> None:
     """Library progress bars and deprecation chatter would bury tunesmith's own output."""
+    import logging
     import os
     import warnings
 
@@ -121,6 +164,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in ("torchao", "torch.utils._pytree"):  # import-time chatter once torchao (tunesmith[ship]) is installed
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -140,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(C.build_config(cls, yaml_path, args))
     except TunesmithError as e:
-        print(f"tunesmith {verb}: error: {e}", file=sys.stderr)
+        print(f"tunesmith {verb}: {e.label}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"tunesmith {verb}: interrupted", file=sys.stderr)

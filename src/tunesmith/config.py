@@ -18,6 +18,7 @@ from tunesmith.errors import TunesmithError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DATA = "shakespeare"
+DEMO_PROMPTS = ("ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow, lords,")  # the demo's samples and ladder
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
@@ -48,12 +49,28 @@ def batch_size_value(value: str | int) -> int | str:
     return n
 
 
+def resume_value(value: bool | str) -> bool | str:
+    """--resume: true (the newest complete checkpoint in --output), false, or a checkpoint or run folder."""
+    if isinstance(value, bool) or (isinstance(value, str) and value):
+        return value
+    raise TunesmithError(f"resume must be true, false or a checkpoint folder, got {value!r}")
+
+
 def targets_value(value: str | list[str]) -> list[str]:
     """LoRA target modules: a comma-separated string or a list; 'all-linear' targets every linear layer."""
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not value or not all(isinstance(v, str) for v in value):
         raise TunesmithError("--lora-targets needs module names, e.g. q_proj,v_proj or all-linear")
+    return list(value)
+
+
+def list_value(value: str | list[str]) -> list[str]:
+    """A comma-separated string or a list of strings."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TunesmithError(f"expected a comma-separated list, got {value!r}")
     return list(value)
 
 
@@ -99,6 +116,21 @@ class TrainConfig(DataConfig, ModelConfig):
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)"
     )
+    checkpoint_every: int = opt(50, "save a resumable checkpoint every N optimizer steps, and at the end (0: only at the end)")
+    keep: int = opt(2, "checkpoints to keep, newest first (0: all); old ones go only after a new one is saved")
+    resume: bool | str = opt(
+        False, "continue from the newest complete checkpoint in --output, or from the checkpoint folder PATH",
+        type=resume_value, nargs="?", const=True, metavar="PATH",
+    )
+    on_config_mismatch: str = opt(
+        "warn", "when --resume finds settings that differ from the checkpoint's: warn and go on, or refuse",
+        choices=["warn", "refuse"],
+    )
+    max_bad_steps: int = opt(5, "stop after this many steps in a row with a NaN/inf loss or gradient (each is skipped)")
+    allow_pickle: bool = opt(
+        False, "let --model load pickle weights (.bin/.pt, read with weights_only=True) when it has no safetensors; "
+        "pickle files can run code"
+    )
 
 
 @dataclass
@@ -140,6 +172,7 @@ class DemoConfig(TrainConfig):
     eval_every: int = opt(0, "evaluate every N steps during training (0: only at the end)")
     sample_tokens: int = opt(60, "tokens per before/after sample")
     sample_temperature: float = opt(0.7, "temperature of the before/after samples")
+    ship: bool = opt(True, "finish by exporting a 4-bit .pte and printing the quality ladder (needs tunesmith[ship])")
 
 
 @dataclass
@@ -169,8 +202,63 @@ class ParityConfig(ModelConfig):
     adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply on both sides")
     prompts: str | None = opt(None, "text file with one prompt per line (default: a few built-in prompts)")
     max_tokens: int = opt(32, "greedy tokens generated per prompt on each side")
-    tolerance: float = opt(0.0, "largest relative logit difference allowed (0: the default for the precision)")
+    tolerance: float = opt(0.0, "largest mean relative logit difference allowed (0: the default for the precision)")
 
+
+
+@dataclass
+class QuantizeConfig(DataConfig):
+    """`tunesmith quantize`: weight-only int8 / int4 through torchao, for eager inference; a folder generate/eval load."""
+
+    model: str = same_as(ModelConfig, "model")
+    adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to merge before quantizing")
+    scheme: str = opt("int8", "int8 (per output channel) or int4 (group-wise) weights", choices=["int8", "int4"])
+    group_size: int = opt(32, "int4: weights per quantization group", choices=[32, 64, 128])
+    output: str = opt("", "folder for the quantized model (config, tokenizer, weights, tunesmith-quant.json)")
+    eval_blocks: int = opt(16, "held-out blocks to compare float and quantized perplexity on (0: skip the check)")
+    max_tokens: int = opt(32, "greedy tokens generated to time float vs quantized decoding")
+
+
+@dataclass
+class ExportConfig:
+    """`tunesmith export`: a model (or model + adapter) -> an on-device artifact."""
+
+    model: str = opt(DEFAULT_MODEL, "model to export: a merged HF folder, a built-in alias, a .gguf file or a hub id")
+    adapter: str | None = opt(None, "LoRA adapter folder to merge on the fly before exporting")
+    format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder) or coreml (.mlpackage)",
+                      choices=["pte", "gguf", "mlx", "coreml"])
+    output: str = opt("", "file or folder to write, e.g. ship/model.pte")
+    quant: str = opt("fp32", "weights: pte fp32|8w|8da4w; gguf f16|q8_0|q4_0; mlx none|4bit|8bit; coreml fp16|int8|int4")
+    group_size: int = opt(32, "weights per quantization group for the 4-bit schemes")
+    max_seq_len: int = opt(256, "longest sequence (prompt + generated tokens) the artifact can hold")
+
+
+@dataclass
+class RunConfig:
+    """`tunesmith run model.pte`: generate with the ExecuTorch runtime and the tokenizer saved beside the .pte."""
+
+    pte: str = opt("", "the .pte file written by `tunesmith export --format pte`", positional=True)
+    prompt: str = same_as(GenerateConfig, "prompt")
+    max_tokens: int = same_as(GenerateConfig, "max_tokens")
+    temperature: float = same_as(GenerateConfig, "temperature")
+    top_p: float = same_as(GenerateConfig, "top_p")
+    chat: bool = same_as(GenerateConfig, "chat")
+    seed: int = same_as(ModelConfig, "seed")
+
+
+@dataclass
+class CompareConfig(DataConfig):
+    """`tunesmith compare RUN_DIR`: the quality ladder, every rung on the same held-out text and prompts."""
+
+    run_dir: str = opt("", "run folder (the demo's): adapter/, merged/ and exports/*.pte are read; ladder.json is written",
+                       positional=True)
+    model: str = opt("", "base model (default: the one the run was trained from, read from its config)")
+    pte: list[str] = opt([], "extra .pte files, comma-separated (every .pte under <run-dir>/exports is included)",
+                         type=list_value)
+    group_size: int = same_as(QuantizeConfig, "group_size")
+    eval_blocks: int = opt(16, "held-out blocks of --seq-len tokens that every rung is scored on")
+    prompts: str | None = opt(None, "text file with one prompt per line, \\n for a newline (default: the demo's prompts)")
+    max_tokens: int = opt(40, "greedy tokens generated per prompt")
 
 # ---------------------------------------------------------------------------------------------------------------
 

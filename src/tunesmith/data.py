@@ -27,6 +27,23 @@ Example = tuple[list[int], list[int]]
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 BUILTIN_DATA = ("shakespeare", "tinyshakespeare")
+MAX_RECORD_CHARS = 8 * 2**20  # a JSON Lines line longer than this is dropped unparsed (it cannot fit any --seq-len)
+# Leading bytes of files that are not text, and what to do about them.
+BINARY_MAGIC = {
+    b"\x1f\x8b": "gzip-compressed: decompress it first (gunzip)",
+    b"PK\x03\x04": "a zip archive: unzip it first",
+    b"BZh": "bzip2-compressed: decompress it first (bunzip2)",
+    b"\xfd7zXZ\x00": "xz-compressed: decompress it first (unxz)",
+    b"PAR1": "a Parquet file: export it to JSON Lines first",
+    b"SQLite format 3\x00": "an SQLite database: export it to JSON Lines first",
+}
+# Why a record was dropped (or cut), as TokenData.stats keys, and how the train output says it.
+RECORD_NOTES = {
+    "truncated": "truncated to --seq-len",
+    "dropped_past_seq_len": "dropped: every supervised token past --seq-len",
+    "no_supervised_tokens": "dropped: no supervised tokens",
+    "dropped_too_long_line": f"dropped: line over {MAX_RECORD_CHARS // 2**20} MiB",
+}
 
 
 @dataclass
@@ -35,6 +52,7 @@ class TokenData:
     valid: list[Example]
     source: str
     stats: dict[str, int] = field(default_factory=dict)
+    where: dict[str, list[str]] = field(default_factory=dict)  # RECORD_NOTES key -> the first few file:line
 
     def supervised_tokens(self, split: str = "train") -> int:
         return sum(sum(1 for t in labels if t != IGNORE) for _, labels in getattr(self, split))
@@ -47,7 +65,11 @@ def read_text(path: Path) -> str:
     """Read a UTF-8 file (a BOM is dropped); bad bytes are an error naming the line."""
     if not path.is_file():
         raise TunesmithError(f"data file not found: {path}")
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TunesmithError(f"cannot read {path}: {e.strerror or e}") from None
+    _check_bytes(path, raw)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -61,25 +83,70 @@ def read_text(path: Path) -> str:
     return text
 
 
-def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, record) for every non-blank line; any bad line is an error with file:line."""
-    records = []
-    for lineno, line in enumerate(read_text(path).splitlines(), start=1):
+def _check_bytes(path: Path, raw: bytes) -> None:
+    """Files that are not UTF-8 text at all get a message that says what they are."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise TunesmithError(f"{path}: UTF-16 text (it starts with a UTF-16 byte-order mark); re-save it as UTF-8")
+    for magic, what in BINARY_MAGIC.items():
+        if raw.startswith(magic):
+            raise TunesmithError(f"{path}: not text but {what}")
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        line = raw[:nul].count(b"\n") + 1
+        raise TunesmithError(f"{path}:{line}: NUL byte: this looks like a binary file, not text")
+
+
+def read_jsonl(path: Path) -> tuple[list[tuple[int, dict]], list[int]]:
+    """(line number, record) for every non-blank line, and the numbers of lines too long to be a record (dropped
+    unparsed). Any bad line is an error with file:line."""
+    records, huge = [], []
+    first = True
+    # split("\n"), not splitlines(): U+2028 and friends may stand unescaped inside JSON strings
+    for lineno, line in enumerate(read_text(path).split("\n"), start=1):
+        line = line.removesuffix("\r").lstrip("\ufeff")  # a BOM mid-file: two files were joined
         if not line.strip():
+            continue
+        if len(line) > MAX_RECORD_CHARS:
+            huge.append(lineno)
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise TunesmithError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+            raise TunesmithError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno}){_json_hint(line, e, first)}") from None
+        except RecursionError:
+            raise TunesmithError(f"{path}:{lineno}: JSON nested too deeply to be a record") from None
         if not isinstance(record, dict):
-            raise TunesmithError(f"{path}:{lineno}: each line must be a JSON object, got {type(record).__name__}")
+            raise TunesmithError(f"{path}:{lineno}: each line must be a JSON object, got {_json_kind(record)}")
         records.append((lineno, record))
-    if not records:
+        first = False
+    if not records and not huge:
         raise TunesmithError(f"{path}: no records (only blank lines)")
-    return records
+    return records, huge
+
+
+def _json_hint(line: str, e: json.JSONDecodeError, first: bool) -> str:
+    if first and (line.strip() == "{" or line.lstrip().startswith("[")):  # a pretty-printed object or an array
+        return ("; the file looks like one JSON document, but JSON Lines needs one complete object per line "
+                "(convert it, e.g. jq -c '.[]')")
+    if e.msg == "Extra data":
+        return "; put one JSON object per line"
+    if re.search(r",\s*[}\]]", line):
+        return "; remove the trailing comma"
+    return ""
+
+
+def _json_kind(value) -> str:
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true/false"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 def record_format(record: dict, where: str) -> str:
+    present = [k for k in ("text", "prompt", "completion", "messages") if k in record]
+    if len({"prompt" if k == "completion" else k for k in present}) > 1:
+        raise TunesmithError(
+            f"{where}: record has keys of more than one format ({', '.join(present)}); give each record one of "
+            "'text', 'prompt'+'completion' or 'messages'"
+        )
     if "messages" in record:
         return "messages"
     if "prompt" in record or "completion" in record:
@@ -115,8 +182,21 @@ def _field(record: dict, key: str, kind: type, where: str):
         raise TunesmithError(f"{where}: missing key '{key}'")
     value = record[key]
     if not isinstance(value, kind):
-        raise TunesmithError(f"{where}: '{key}' must be a {kind.__name__}, got {type(value).__name__}")
+        got = "null" if value is None else type(value).__name__
+        raise TunesmithError(f"{where}: '{key}' must be a {kind.__name__}, got {got}")
+    if isinstance(value, str):
+        _check_unicode(value, f"'{key}'", where)
     return value
+
+
+def _check_unicode(text: str, what: str, where: str) -> None:
+    """JSON can spell a lone surrogate (\\ud800) that no tokenizer can encode: name it instead of crashing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TunesmithError(
+            f"{where}: {what} holds an invalid Unicode escape (lone surrogate \\u{ord(text[e.start]):04x}); fix or remove it"
+        ) from None
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -129,6 +209,7 @@ def _tokenize_chat(messages: list, tokenizer, where: str) -> Example:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise TunesmithError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+        _check_unicode(m["content"], f"messages[{i}].content", where)
     if not getattr(tokenizer, "chat_template", None):
         raise TunesmithError(f"{where}: 'messages' records need a tokenizer with a chat template; this one has none")
 
@@ -187,12 +268,18 @@ def load_data(spec: str, tokenizer, seq_len: int = 256, val_fraction: float = 0.
         raise TunesmithError(
             f"data not found: {spec} (give a .txt or .jsonl file, a folder with train.jsonl, or one of: {', '.join(BUILTIN_DATA)})"
         )
+    if path.suffix == ".json":
+        raise TunesmithError(
+            f"{path}: a .json file; tunesmith reads JSON Lines (.jsonl, one object per line) or plain text (.txt). "
+            f"Convert it (e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl), or rename it if it is already one "
+            "object per line"
+        )
     if path.suffix == ".jsonl":
-        examples, stats = _jsonl_examples(path, tokenizer, seq_len)
+        examples, stats, where = _jsonl_examples(path, tokenizer, seq_len)
         n_val = int(len(examples) * val_fraction) if len(examples) > 1 else 0
         n_val = max(1, n_val) if val_fraction > 0 and len(examples) > 1 else n_val
         cut = len(examples) - n_val
-        return TokenData(examples[:cut], examples[cut:], str(path), stats)
+        return TokenData(examples[:cut], examples[cut:], str(path), stats, where)
     return _from_text(read_text(path), str(path), tokenizer, seq_len, val_fraction)
 
 
@@ -208,41 +295,82 @@ def _from_text(text: str, source: str, tokenizer, seq_len: int, val_fraction: fl
     return TokenData(train, valid, source, {"tokens": len(ids), "train_blocks": len(train), "valid_blocks": len(valid)})
 
 
-def _jsonl_examples(path: Path, tokenizer, seq_len: int) -> tuple[list[Example], dict[str, int]]:
-    records = read_jsonl(path)
+def _jsonl_examples(path: Path, tokenizer, seq_len: int) -> tuple[list[Example], dict[str, int], dict[str, list[str]]]:
+    """Every record is validated; records cut or dropped are counted by reason, with their first few file:line."""
+    records, huge = read_jsonl(path)
+    stats = {"records": len(records) + len(huge), **dict.fromkeys(RECORD_NOTES, 0)}
+    where_of: dict[str, list[str]] = {}
+
+    def note(reason: str, lineno: int) -> None:
+        stats[reason] += 1
+        if len(where_of.setdefault(reason, [])) < 3:
+            where_of[reason].append(f"{path}:{lineno}")
+
+    for lineno in huge:
+        note("dropped_too_long_line", lineno)
+    if not records:
+        raise TunesmithError(
+            f"{path}:{huge[0]}: every line is longer than {MAX_RECORD_CHARS // 2**20} MiB, too long to be one record; "
+            "split the text into records"
+        )
     fmt = record_format(records[0][1], f"{path}:{records[0][0]}")
     examples: list[Example] = []
-    stats = {"records": len(records), "truncated": 0, "no_supervised_tokens": 0}
     for lineno, record in records:
         where = f"{path}:{lineno}"
         if record_format(record, where) != fmt:
             raise TunesmithError(f"{where}: record is '{record_format(record, where)}' but the file's first is '{fmt}'")
         ids, labels = tokenize_record(record, fmt, tokenizer, where)
-        if len(ids) > seq_len:
-            stats["truncated"] += 1
-            ids, labels = ids[:seq_len], labels[:seq_len]
         if all(t == IGNORE for t in labels[1:]):  # label 0 is never predicted
-            stats["no_supervised_tokens"] += 1
+            note("no_supervised_tokens", lineno)
             continue
+        if len(ids) > seq_len:
+            ids, labels = ids[:seq_len], labels[:seq_len]
+            if all(t == IGNORE for t in labels[1:]):
+                note("dropped_past_seq_len", lineno)
+                continue
+            note("truncated", lineno)
         examples.append((ids, labels))
-    if not examples:
+    if not examples and stats["dropped_past_seq_len"]:
         raise TunesmithError(
             f"{path}: zero trainable tokens after truncation to --seq-len {seq_len}: every record's supervised part "
-            "(completion / assistant turns) falls past the cut. Raise --seq-len or shorten the prompts"
+            f"(completion / assistant turns) falls past the cut (first: {where_of['dropped_past_seq_len'][0]}). "
+            "Raise --seq-len or shorten the prompts"
         )
-    return examples, stats
+    if not examples:
+        raise TunesmithError(
+            f"{where_of['no_supervised_tokens'][0]}: no record has a token to learn: empty 'text' or 'completion', "
+            "or 'messages' without an assistant turn"
+        )
+    return examples, stats, where_of
 
 
 def _from_folder(path: Path, tokenizer, seq_len: int) -> TokenData:
     train_file = path / "train.jsonl"
     if not train_file.is_file():
         raise TunesmithError(f"{path}: a data folder needs train.jsonl (and optionally valid.jsonl)")
-    train, stats = _jsonl_examples(train_file, tokenizer, seq_len)
+    train, stats, where = _jsonl_examples(train_file, tokenizer, seq_len)
     valid: list[Example] = []
     if (path / "valid.jsonl").is_file():
-        valid, vstats = _jsonl_examples(path / "valid.jsonl", tokenizer, seq_len)
+        valid, vstats, vwhere = _jsonl_examples(path / "valid.jsonl", tokenizer, seq_len)
         stats.update({f"valid_{k}": v for k, v in vstats.items()})
-    return TokenData(train, valid, str(path), stats)
+        for reason, places in vwhere.items():
+            where[reason] = where.get(reason, []) + places
+    return TokenData(train, valid, str(path), stats, where)
+
+
+def describe_data(data: TokenData) -> str:
+    """One line for the train output: what was read, and how many records were cut or dropped, and where."""
+    s = data.stats
+    if "records" not in s:
+        return f"data {data.source}: {s.get('tokens', 0)} tokens in {len(data.train)} training blocks, {len(data.valid)} held out"
+    records = s["records"] + s.get("valid_records", 0)
+    parts = [f"data {data.source}: {records} records -> {len(data.train)} training, {len(data.valid)} held out"]
+    for reason, text in RECORD_NOTES.items():
+        n = s.get(reason, 0) + s.get(f"valid_{reason}", 0)
+        if n:
+            places = data.where.get(reason, [])
+            parts.append(f"{n} {text} ({', '.join(places)}{', ...' if n > len(places) else ''})")
+    return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------ built-in corpora

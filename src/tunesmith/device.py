@@ -72,9 +72,12 @@ def macos_major() -> int:
 
 
 def _mps_bf16_supported() -> bool:
-    # bf16 on MPS needs macOS 14 (Sonoma) and a torch that implements it: ask for one bf16 tensor.
-    if macos_major() < 14:
-        return False
+    # bf16 on MPS needs macOS 14 (Sonoma) and a torch that implements it.
+    return macos_major() >= 14 and _torch_mps_bf16()
+
+
+def _torch_mps_bf16() -> bool:
+    """Whether this torch can make a bf16 tensor on MPS (older builds raise)."""
     try:
         torch.ones(1, dtype=torch.bfloat16, device="mps")
     except (RuntimeError, TypeError):
@@ -87,13 +90,19 @@ def supports_fp16(device: torch.device) -> bool:
     return device.type in ("cuda", "mps")
 
 
-def fused_sdpa(device: torch.device) -> bool:
-    """Whether scaled_dot_product_attention has a fused kernel here, so attention memory grows with S, not S^2."""
+def fused_sdpa(device: torch.device, precision: str = "bf16", gqa: bool = False) -> bool:
+    """Whether scaled_dot_product_attention runs a fused kernel, so attention memory grows with S, not S^2.
+
+    CUDA: flash attention takes bf16/fp16 (grouped-query too); in fp32 the memory-efficient kernel takes over, but
+    not for grouped-query attention, which then falls back to the math kernel (measured on an H200, torch 2.11).
+    """
     if device.type == "cuda":
-        return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+        if precision in ("bf16", "fp16") and torch.backends.cuda.flash_sdp_enabled():
+            return True
+        return torch.backends.cuda.mem_efficient_sdp_enabled() and not gqa
     if device.type == "mps":
         return _torch_at_least(2, 5)  # the Metal SDPA kernel arrived in torch 2.5
-    return True  # torch's CPU flash-attention kernel (torch >= 2.2)
+    return True  # torch's CPU flash-attention kernel (torch >= 2.2), grouped-query included
 
 
 def _torch_at_least(major: int, minor: int) -> bool:
@@ -151,7 +160,7 @@ class Capabilities:
     name: str
     bf16: bool
     fp16: bool
-    fused_sdpa: bool
+    fused_sdpa: bool  # at the device's default precision
     total_bytes: int
     available_bytes: int
     mps_fallback: bool  # PYTORCH_ENABLE_MPS_FALLBACK set (only matters on MPS)
@@ -174,8 +183,9 @@ def capabilities(device: torch.device) -> Capabilities:
         name = f"Apple GPU, macOS {platform.mac_ver()[0] or '?'}"
     else:
         name = platform.processor() or platform.machine() or "cpu"
-    return Capabilities(str(device), name, supports_bf16(device), supports_fp16(device), fused_sdpa(device),
-                        total, available, mps_fallback_enabled())
+    fused = fused_sdpa(device, resolve_precision(device, "auto"))
+    return Capabilities(str(device), name, supports_bf16(device), supports_fp16(device), fused, total, available,
+                        mps_fallback_enabled())
 
 
 def resolve_precision(device: torch.device, requested: str = "auto") -> str:

@@ -12,6 +12,18 @@ class TunesmithError(Exception):
     """A problem the user can fix; the message says how."""
 
     exit_code = EXIT_USER_ERROR
+    label = "error"  # the word before the message on stderr
+
+
+class Interrupted(TunesmithError):
+    """A run stopped on request (SIGINT, SIGTERM) after saving a checkpoint; the exit code is 128 + the signal
+    number, as a shell reports a process killed by it: 130 for Ctrl-C, 143 for SIGTERM."""
+
+    label = "stopped"
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 def missing_extra(package: str, extra: str, what: str) -> TunesmithError:

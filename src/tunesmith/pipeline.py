@@ -1,7 +1,7 @@
 """The demo: the WWDC24 workflow, every stage in order, on the built-in model and data.
 
 load -> generate (before) -> perplexity (before) -> LoRA train -> generate (after) -> perplexity (after)
--> merge and save -> before/after table. Everything lands in runs/<name>/.
+-> merge and save -> before/after table -> ship: 4-bit .pte + quality ladder. Everything lands in runs/<name>/.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunesmith.config import DemoConfig, TrainConfig, fields_of, save_config
+from tunesmith.config import DEMO_PROMPTS, DemoConfig, TrainConfig, fields_of, save_config
 from tunesmith.data import load_data
 from tunesmith.device import resolve_device, resolve_precision, weight_dtype
 from tunesmith.evaluate import evaluate
@@ -21,8 +21,6 @@ from tunesmith.merge import merge_model
 from tunesmith.models import load_model
 from tunesmith.report import write_report
 from tunesmith.train import train
-
-DEMO_PROMPTS = ("ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow, lords,")
 
 
 @dataclass
@@ -55,7 +53,8 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
 
     console.print(f"[bold]tunesmith demo[/] -> {run_dir}  (device {device}, {precision})")
     t = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, device, weight_dtype(device, precision), cfg.trust_remote_code)
+    model, tokenizer = load_model(cfg.model, device, weight_dtype(device, precision), cfg.trust_remote_code,
+                                  allow_pickle=cfg.allow_pickle)
     console.print(f"loaded {cfg.model} in {time.perf_counter() - t:.1f}s")
     data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
     console.print(f"data {data.source}: {len(data.train)} training blocks, {len(data.valid)} held out")
@@ -85,8 +84,30 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
                      time.perf_counter() - started, merged_dir)
     _write(out)
     _print_table(console, out)
+    if cfg.ship:
+        ship(cfg, merged_dir, console)
     write_report(run_dir, echo=console.out)
     return out
+
+
+def ship(cfg: DemoConfig, merged_dir: Path, console) -> None:
+    """The last step: export the merged model as a 4-bit .pte, then the quality ladder over every artifact."""
+    import importlib.util
+
+    from tunesmith.compare import compare
+    from tunesmith.config import CompareConfig, ExportConfig
+    from tunesmith.export import export
+
+    run_dir = merged_dir.parent
+    if any(importlib.util.find_spec(m) is None for m in ("executorch", "torchao")):
+        console.print("ship step skipped: the .pte export and the int8/int4 rungs need pip install 'tunesmith[ship]'")
+        return
+    t = time.perf_counter()
+    pte = export(ExportConfig(model=str(merged_dir), format="pte", output=str(run_dir / "exports" / "model-8da4w.pte"),
+                              quant="8da4w", max_seq_len=cfg.seq_len))
+    console.print(f"exported {pte} ({pte.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
+    compare(CompareConfig(run_dir=str(run_dir), model=cfg.model, data=cfg.data, seq_len=cfg.seq_len,
+                          val_fraction=cfg.val_fraction), console, prompts=DEMO_PROMPTS)
 
 
 def _write(r: DemoResult) -> None:

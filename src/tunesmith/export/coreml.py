@@ -136,6 +136,8 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
 
     model_dir, output = Path(model_dir), Path(output)
     package = output if output.suffix == ".mlpackage" else output / "model.mlpackage"
+    if package.exists() and not (package / "Manifest.json").is_file():
+        raise TunesmithError(f"{package} exists and is not an .mlpackage; choose another --output")
     step, config = load_step(model_dir, max_seq_len)
     with torch.no_grad():
         traced = torch.jit.trace(step, step.example_inputs())
@@ -155,7 +157,7 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
         skip_model_load=True,  # loading compiles with Core ML, which exists only on macOS
     )
     if compression:
-        mlmodel = _compress(ct, mlmodel, compression, group_size)
+        mlmodel = _compress(mlmodel, compression, group_size)
     meta = {
         "format": "coreml",
         "quant": quant,
@@ -173,17 +175,21 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
         "source": str(model_dir),
     }
     mlmodel.short_description = "tunesmith decode step: one token in, logits and its KV out (static KV cache)"
-    mlmodel.user_defined_metadata.update({k: json.dumps(v) for k, v in meta.items()})
+    mlmodel.user_defined_metadata.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items() if k != "source"})
     _save(mlmodel, package)
-    validate(package, step.cache_shape(), config.vocab_size, compression)
+    validate(package, step, quant)
     if package.parent == output:
         _copy_tokenizer(model_dir, output)
         (output / MARKER).write_text(json.dumps(meta, indent=2))
     return package
 
 
-def _compress(ct, mlmodel, compression: str, group_size: int | None):
-    from coremltools.optimize.coreml import OpLinearQuantizerConfig, OptimizationConfig, linear_quantize_weights
+def _compress(mlmodel, compression: str, group_size: int | None):
+    from coremltools.optimize.coreml import (
+        OpLinearQuantizerConfig,
+        OptimizationConfig,
+        linear_quantize_weights,
+    )
 
     if compression == "int8":
         op = OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
@@ -194,8 +200,6 @@ def _compress(ct, mlmodel, compression: str, group_size: int | None):
 
 def _save(mlmodel, package: Path) -> None:
     package.parent.mkdir(parents=True, exist_ok=True)
-    if package.exists() and not (package / "Manifest.json").is_file():
-        raise TunesmithError(f"{package} exists and is not an .mlpackage; choose another --output")
     tmp = Path(tempfile.mkdtemp(prefix=package.stem + ".", dir=package.parent)) / package.name
     try:
         mlmodel.save(str(tmp))
@@ -212,35 +216,50 @@ def _copy_tokenizer(model_dir: Path, output: Path) -> None:
             shutil.copy(f, output / f.name)
 
 
-def validate(package: Path, cache_shape: tuple[int, ...], vocab_size: int, compression: str | None = None) -> dict:
-    """Check the saved spec: an iOS 18 ML Program with the expected inputs, outputs and (de)quantization ops.
+def validate(package: Path, step: DecodeStep, quant: str) -> dict:
+    """Check the saved spec against the wrapper it came from: an iOS 18 ML Program with the expected input and
+    output names, shapes and dtypes, and (for int8/int4) the constexpr ops that dequantize the weights.
 
-    Returns {"inputs": {name: shape}, "outputs": [...], "ops": {op type: count}, "spec_version": n}; any mismatch is
-    a RuntimeError (a bug in the converter wrapper, not a user error).
+    Returns {"inputs": {name: shape}, "outputs": {name: shape}, "ops": {op type: count}, "spec_version": n}; a
+    mismatch is a RuntimeError (a bug in the wrapper or the converter, not a user error).
     """
     import coremltools as ct
 
+    precision, compression = QUANTS[quant]
     spec = ct.utils.load_spec(str(package))
-    inputs = {i.name: tuple(i.type.multiArrayType.shape) for i in spec.description.input}
-    outputs = [o.name for o in spec.description.output]
+    dtype = "FLOAT32" if precision == "fp32" else "FLOAT16"
+    cache, vocab = step.cache_shape(), step.lm_head.out_features
+    new = (*cache[:2], 1, cache[3])
+    want_in = {
+        "input_ids": ((1, 1), "INT32"), "position": ((1,), "INT32"), "k_cache": (cache, dtype), "v_cache": (cache, dtype)
+    }
+    want_out = {"logits": ((1, 1, vocab), dtype), "k_new": (new, dtype), "v_new": (new, dtype)}
+
+    def described(features) -> dict:
+        arrays = {f.name: f.type.multiArrayType for f in features}
+        return {name: (tuple(a.shape), a.ArrayDataType.Name(a.dataType)) for name, a in arrays.items()}
+
     ops: dict[str, int] = {}
     for function in spec.mlProgram.functions.values():
         for block in function.block_specializations.values():
             for op in block.operations:
                 ops[op.type] = ops.get(op.type, 0) + 1
-    expected_inputs = {"input_ids": (1, 1), "position": (1,), "k_cache": cache_shape, "v_cache": cache_shape}
     problems = []
     if spec.WhichOneof("Type") != "mlProgram":
         problems.append(f"model type {spec.WhichOneof('Type')}, expected mlProgram")
     if spec.specificationVersion < 9:
         problems.append(f"spec version {spec.specificationVersion} < 9 (iOS 18)")
-    if inputs != expected_inputs:
-        problems.append(f"inputs {inputs}, expected {expected_inputs}")
-    if outputs != list(OUTPUTS):
-        problems.append(f"outputs {outputs}, expected {list(OUTPUTS)}")
-    quant_ops = {k: v for k, v in ops.items() if k.startswith("constexpr_")}
-    if compression and not quant_ops:
+    if (got := described(spec.description.input)) != want_in:
+        problems.append(f"inputs {got}, expected {want_in}")
+    if (got := described(spec.description.output)) != want_out:
+        problems.append(f"outputs {got}, expected {want_out}")
+    if compression and not any(k.startswith("constexpr_") for k in ops):
         problems.append(f"{compression} compression left no constexpr dequantization ops")
     if problems:
         raise RuntimeError(f"{package}: invalid Core ML spec: {'; '.join(problems)}")
-    return {"inputs": inputs, "outputs": outputs, "ops": ops, "spec_version": spec.specificationVersion}
+    return {
+        "inputs": {k: v[0] for k, v in want_in.items()},
+        "outputs": {k: v[0] for k, v in want_out.items()},
+        "ops": ops,
+        "spec_version": spec.specificationVersion,
+    }

