@@ -9,7 +9,9 @@ to fit.json), and measure:
 
 - cuda: torch.cuda.max_memory_allocated over the run, against the whole prediction (weights included);
 - cpu:  peak RSS growth (VmHWM after reset via /proc/self/clear_refs, minus RSS once the weights are resident),
-        against the prediction without the weights.
+        against the prediction without the weights; with MALLOC_MMAP_THRESHOLD_=65536 unless --default-malloc
+        (glibc's dynamic threshold keeps freed activations in RSS, by a varying amount).
+- --oom-demo GIB (cuda): a real out-of-memory run under a memory cap, recovered by halving the micro-batch.
 
 The table goes to docs/MEMORY.md with the hardware and the date.
 """

@@ -122,6 +122,13 @@ def test_capabilities_on_a_mocked_mac(mac):
     assert D.capabilities(MPS).fused_sdpa is False
 
 
+def test_fused_attention_on_cuda_depends_on_dtype_and_grouped_query():
+    cuda = torch.device("cuda")
+    assert D.fused_sdpa(cuda, "bf16", gqa=True)  # flash
+    assert D.fused_sdpa(cuda, "fp32", gqa=False)  # memory-efficient
+    assert not D.fused_sdpa(cuda, "fp32", gqa=True)  # math: seen on the H200 as S x S memory per layer
+
+
 def test_capabilities_on_this_cpu():
     caps = D.capabilities(CPU)
     assert (caps.device, caps.bf16, caps.fp16, caps.fused_sdpa) == ("cpu", True, False, True)
@@ -148,6 +155,28 @@ def test_fallback_respects_the_users_choice(monkeypatch):
     message = D.enable_mps_fallback()
     assert os.environ[D.MPS_FALLBACK] == "0" and not D.mps_fallback_enabled()
     assert "off (set by you)" in message
+
+
+def test_trainer_sets_the_fallback_before_its_first_mps_op_and_says_so(monkeypatch, tmp_path, capsys):
+    import tunesmith.train as T
+    from tunesmith.config import TrainConfig
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def first_mps_op(device, requested):  # resolve_precision probes bf16 with an MPS tensor
+        seen.append(os.environ.get(D.MPS_FALLBACK))
+        raise Stop
+
+    _unset(monkeypatch, D.MPS_FALLBACK)
+    monkeypatch.setattr(T, "resolve_device", lambda name: MPS)
+    monkeypatch.setattr(T, "resolve_precision", first_mps_op)
+    with pytest.raises(Stop):
+        T.train(TrainConfig(output=str(tmp_path)), progress=True, report=False)
+    assert seen == ["1"]
+    assert "PYTORCH_ENABLE_MPS_FALLBACK=1" in capsys.readouterr().err
 
 
 def test_cli_sets_the_fallback_before_the_stage_runs_on_macos(monkeypatch):

@@ -173,6 +173,12 @@ def test_bad_run_inputs_are_one_clear_error(pte_fp32, tmp_path, capsys):
     lonely.write_bytes(pte_fp32.read_bytes())
     assert main(["run", str(lonely)]) == 2
     assert "written beside the .pte" in capsys.readouterr().err
+    (tmp_path / "lonely.json").write_text(pte_fp32.with_suffix(".json").read_text())
+    lonely.write_bytes(pte_fp32.read_bytes()[: 4096])  # truncated
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((pte_fp32.parent / name).read_text())
+    assert main(["run", str(lonely)]) == 2
+    assert "could not load" in capsys.readouterr().err
     with pytest.raises(TunesmithError, match="max_seq_len 64"):
         run(RunConfig(pte=str(pte_fp32), prompt="ROMEO: " * 40, max_tokens=4), write=lambda s: None)
 

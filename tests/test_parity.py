@@ -53,7 +53,7 @@ def test_a_perturbed_model_fails_the_fp32_tolerance(tokenizer):
     r = P.compare_models(model, other, _prompts(tokenizer), "fp32", max_tokens=8)
     assert not r.passed and r.mean_rel > P.TOLERANCES["fp32"].mean_rel
     loose = P.compare_models(model, other, _prompts(tokenizer), "fp32", 8, tolerance=10.0)
-    assert loose.tolerance.mean_rel == 10.0 and loose.top1_agreement >= 0.99 and loose.passed
+    assert loose.tolerance.mean_rel == 10.0 and loose.mean_rel == r.mean_rel  # --tolerance widens only the mean
 
 
 def test_tolerances_widen_with_lower_precision():

@@ -3,7 +3,7 @@
 Nothing here loads weights. The model is built on the meta device from its config, which gives the exact
 parameter count and the shape of every linear layer (so LoRA targets resolve as PEFT resolves them); the
 activation model counts the tensors autograd saves in a Llama-style decoder layer (Llama, Mistral, Qwen2,
-SmolLM, Gemma) as transformers + PEFT run it in tunesmith's loop. docs/MEMORY.md derives each term and
+SmolLM) as transformers + PEFT run it in tunesmith's loop. docs/MEMORY.md derives each term and
 compares the prediction with measured peaks.
 """
 
@@ -147,7 +147,6 @@ class TrainSetup:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (bf16/fp16: weights in that dtype, autocast compute)
     optimizer: str = "adamw"
     gradient_checkpointing: bool = False
-    grad_accum: int = 1
     fused_sdpa: bool = True  # False: attention scores (B x heads x S x S) are materialised
     device_type: str = "cuda"  # cuda's dropout keeps a 1-byte mask; the CPU and MPS keep fp32 noise
 
@@ -348,8 +347,7 @@ def plan_run(
         seq_len=cfg.seq_len, batch_size=1 if auto else int(cfg.batch_size), lora_rank=cfg.lora_rank,
         lora_targets=tuple(cfg.lora_targets), lora_dropout=cfg.lora_dropout, precision=precision,
         optimizer=getattr(cfg, "optimizer", "adamw"), gradient_checkpointing=cfg.gradient_checkpointing,
-        grad_accum=getattr(cfg, "grad_accum", 1), fused_sdpa=fused_sdpa(device, precision, shape.kv_heads < shape.heads),
-        device_type=device.type,
+        fused_sdpa=fused_sdpa(device, precision, shape.kv_heads < shape.heads), device_type=device.type,
     )
     p = plan(shape, setup, total, available)
     if auto:
@@ -367,9 +365,10 @@ def print_plan(p: FitPlan, device_line: str, console=None) -> None:
     console = console or Console()
     s = p.setup
     console.print(f"[bold]device[/] {device_line}")
-    table = Table(title=f"training peak: seq {s.seq_len} x micro-batch {s.batch_size}, LoRA r{s.lora_rank} on "
-                        f"{','.join(s.lora_targets)}, {s.precision}, {s.optimizer}"
-                        f"{', gradient checkpointing' if s.gradient_checkpointing else ''}")
+    console.print(f"[bold]training peak[/] at seq {s.seq_len} x micro-batch {s.batch_size}, LoRA r{s.lora_rank} on "
+                  f"{','.join(s.lora_targets)}, {s.precision}, {s.optimizer}"
+                  f"{', gradient checkpointing' if s.gradient_checkpointing else ''}")
+    table = Table()
     table.add_column("part")
     table.add_column("GiB", justify="right")
     table.add_column("share", justify="right")

@@ -65,8 +65,14 @@ class PteModel:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_seq_len = int(self.meta["max_seq_len"])
         self.eos = set(self.meta.get("eos_token_ids", []))
-        program = _runtime().load_program(self.path)
-        self.method = program.load_method(self.meta.get("method", "forward"))
+        runtime = _runtime()
+        try:
+            self.method = runtime.load_program(self.path).load_method(self.meta.get("method", "forward"))
+        except RuntimeError as e:
+            raise TunesmithError(
+                f"the ExecuTorch runtime could not load {self.path} ({e}); the file may be truncated or come from "
+                "another executorch version: export it again"
+            ) from None
 
     def logits(self, tokens: list[int], start: int = 0) -> torch.Tensor:
         """Logits [len(tokens), vocab] for `tokens` placed at positions start.. (the cache keeps what came before)."""

@@ -111,6 +111,8 @@ def train(
     from accelerate.utils import set_seed
 
     device = resolve_device(cfg.device)
+    if device.type == "mps":  # before the first MPS op (the bf16 probe in resolve_precision is one)
+        _note(progress, enable_mps_fallback())
     precision = resolve_precision(device, cfg.precision)
     if cfg.grad_accum < 1:
         raise TunesmithError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
@@ -118,8 +120,6 @@ def train(
         raise TunesmithError(f"--max-bad-steps must be >= 1, got {cfg.max_bad_steps}")
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if device.type == "mps":
-        _note(progress, enable_mps_fallback())
     batch_size = _plan_memory(cfg, device, precision, model, run_dir, progress)  # settles --batch-size auto
     accelerator = Accelerator(
         cpu=device.type == "cpu", mixed_precision="no" if precision == "fp32" else precision
