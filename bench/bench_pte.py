@@ -1,9 +1,11 @@
 """The ExecuTorch programs against eager PyTorch on this machine: decode tokens/s, bytes, logit fidelity, perplexity.
 
-    python bench/bench_pte.py --model runs/demo/merged --out bench-pte [--adapter runs/demo/adapter] [--json out.json]
+    tunesmith quantize --model runs/demo/merged --scheme int4 --output runs/demo/quantized-int4-g32
+    python bench/bench_pte.py --model runs/demo/merged --int4 runs/demo/quantized-int4-g32 --out bench-pte \
+        [--adapter runs/demo/adapter] [--threads 2] [--json out.json]
 
-Writes (once; later runs reuse them) <out>/fp32/model.pte and <out>/8da4w/model.pte with --max-seq-len 256, then
-measures, all in this process:
+Writes (once; later runs reuse them) <out>/fp32/model.pte from the merged model and <out>/8da4w/model.pte from the
+int4 folder (its GPTQ weights), both with --max-seq-len 256, then measures, all in this process:
 
 - decode tokens/s: a 64-token prompt, then N greedy steps one token per call (eager: the HF model with its KV cache,
   as `tunesmith generate` runs it; .pte: `tunesmith run`'s loop). Repeats interleave the three so a busy machine
@@ -11,8 +13,8 @@ measures, all in this process:
 - bytes: the merged model's safetensors against each .pte.
 - fidelity: relative logit error max|pte - eager| / max|eager| over a 64-token prefill plus 32 decode steps; with
   --adapter, max|merged - adapter| logits on the same tokens.
-- perplexity on --blocks held-out Shakespeare blocks of 256 tokens: eager fp32, eager int8 / int4 g32 (torchao),
-  each .pte.
+- perplexity on --blocks held-out Shakespeare blocks of 256 tokens: eager fp32, eager int8 (torchao, made here),
+  eager int4 (the --int4 folder), each .pte.
 
 Lowering the 135M model takes minutes on 2 cores; measure on a quiet machine. The figures go to docs/SHIP.md.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import time
@@ -73,6 +76,8 @@ def rel_err_prefill_decode(model, pte: PteModel, ids: list[int], prefill: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="merged HF folder (fp32)")
+    ap.add_argument("--int4", required=True, help="its `tunesmith quantize --scheme int4` folder (the 8da4w weights)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for eager and ExecuTorch (0: as they default)")
     ap.add_argument("--adapter", help="the adapter it was merged from: also report merged-vs-adapter logits")
     ap.add_argument("--out", default="bench-pte", help="folder for the .pte files (reused when present)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per repeat")
@@ -88,12 +93,18 @@ def main() -> None:
         paths[quant] = out / quant / "model.pte"
         if not paths[quant].is_file():
             t = time.perf_counter()
-            export(ExportConfig(model=args.model, format="pte", quant=quant, output=str(paths[quant]), max_seq_len=MAX_SEQ))
+            source = args.model if quant == "fp32" else args.int4
+            export(ExportConfig(model=source, format="pte", quant=quant, output=str(paths[quant]), max_seq_len=MAX_SEQ))
             lower_s[quant] = time.perf_counter() - t
             print(f"lowered {quant} in {lower_s[quant]:.0f}s", flush=True)
     if args.export_only:
         return
 
+    if args.threads:
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        torch.set_num_threads(args.threads)
+        _unsafe_reset_threadpool(args.threads)
     model, tok = load_model(args.model)
     ptes = {q: PteModel(p) for q, p in paths.items()}
     blocks = load_data("shakespeare", tok, MAX_SEQ).valid[: args.blocks]
@@ -110,7 +121,8 @@ def main() -> None:
 
     fp32_bytes = weights_bytes(args.model)
     figures = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "threads": torch.get_num_threads(),
         "model": args.model, "decode_steps": args.steps, "repeats": args.repeats,
         "decode_tokens_per_s": median, "decode_tokens_per_s_all": tps,
         "speedup_4bit_vs_eager_fp32": median["pte 8da4w"] / median["eager fp32"],
@@ -131,11 +143,12 @@ def main() -> None:
         del peft
 
     ppl = {"eager fp32": evaluate(model, blocks, 4, 0, tok.pad_token_id).perplexity}
-    for scheme in ("int8", "int4"):
-        q = copy.deepcopy(model)
-        quantize_model(q, scheme, 32)
-        ppl[f"eager {scheme}" + (" g32" if scheme == "int4" else "")] = evaluate(q, blocks, 4, 0, tok.pad_token_id).perplexity
-        del q
+    q = copy.deepcopy(model)
+    quantize_model(q, "int8")
+    ppl["eager int8"] = evaluate(q, blocks, 4, 0, tok.pad_token_id).perplexity
+    q = load_model(args.int4)[0]
+    ppl["eager int4 g32"] = evaluate(q, blocks, 4, 0, tok.pad_token_id).perplexity
+    del q
     for q, pte in ptes.items():
         ppl[f"pte {q}"] = pte_perplexity(pte, blocks)
     figures["perplexity"] = ppl

@@ -109,11 +109,9 @@ def tiny_train_config(tmp_path, tiny_dir, data, **kw):
 # minutes and is not run until its bound can hold.
 OPEN_BOUNDS = {
     "tests/test_export_gguf.py::test_real_model_q8_0_logits_and_q4_0_perplexity":
-        ("GGUF q8_0 read back: max relative logit error measured 0.0169, bound 1e-2", True),
-    "tests/test_export_mlx.py::test_real_model_fp32_export_generates_identical_greedy_tokens":
-        ("MLX fp32 export: greedy tokens diverge from PyTorch within 32 tokens", True),
+        ("GGUF q8_0 read back: relative L2 logit error measured 1.42e-2, bound 1e-2", True),
     "tests/test_export_pte.py::test_real_135m_4bit_pte":
-        ("4-bit .pte (8da4w, round to nearest): perplexity +85%, bound +5%", False),
+        ("4-bit .pte (8da4w from GPTQ int4): perplexity +8.6%, bound +5%", False),
 }
 
 

@@ -102,3 +102,27 @@ def test_prompts_file_and_bad_inputs(tmp_path, capsys):
     assert "run folder not found" in capsys.readouterr().err
     with pytest.raises(TunesmithError, match="pass --model"):
         ladder(CompareConfig(run_dir=str(tmp_path)), echo=lambda s: None)
+
+
+def test_demo_ship_step_ends_with_the_ladder(run_dir, tmp_path, text_file):
+    """`demo --ship`: int4 (GPTQ) -> an 8da4w .pte from it -> the ladder with that .pte as its last rung."""
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from tunesmith.config import DemoConfig
+    from tunesmith.data import load_data
+    from tunesmith.models import load_tokenizer
+    from tunesmith.pipeline import ship
+
+    run = tmp_path / "run"  # the run as the demo leaves it before its ship step
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("exports", "quantized-*", LADDER_FILE))
+    cfg = DemoConfig(model=str(run_dir.parent / "base"), data=str(text_file), seq_len=32, ship=True)
+    train = load_data(str(text_file), load_tokenizer(str(run / "merged")), 32).train
+    ship(cfg, run / "merged", Console(file=io.StringIO()), train)
+    rungs = json.loads((run / LADDER_FILE).read_text())
+    assert [r["name"] for r in rungs] == NAMES[:-1] + ["pte 8da4w g32"]
+    meta = json.loads((run / "exports" / "model-8da4w.json").read_text())
+    assert meta["weights"].startswith("tunesmith quantize: gptq") and meta["max_seq_len"] == 32
+    assert json.loads((run / "quantized-int4-g32" / "tunesmith-quant.json").read_text())["calibration_blocks"] > 0

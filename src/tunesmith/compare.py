@@ -123,18 +123,16 @@ def read_prompts(path: str | None) -> list[str]:
     return prompts
 
 
-def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int) -> Path:
-    """<run>/quantized-<scheme>, made from the merged model when it is not there yet."""
+def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int, calibration=None) -> Path:
+    """<run>/quantized-<scheme>, made from the merged model when it is not there yet (int4: GPTQ on `calibration`)."""
     from tunesmith.models import load_model
     from tunesmith.quantize import is_quantized, quantize_model, save_quantized
 
     folder = run_dir / (f"quantized-{scheme}" + (f"-g{group_size}" if scheme == "int4" else ""))
     if not is_quantized(folder):
         model, tokenizer = load_model(str(merged), "cpu", torch.float32)
-        layers = quantize_model(model, scheme, group_size)
-        info = {"scheme": scheme, "group_size": group_size if scheme == "int4" else None,
-                "embedding": "int8 per row", "layers": len(layers), "source": str(merged), "adapter": None}
-        save_quantized(model, tokenizer, folder, info)
+        info = quantize_model(model, scheme, group_size, calibration if scheme == "int4" else None)
+        save_quantized(model, tokenizer, folder, {**info, "source": str(merged), "adapter": None})
     return folder
 
 
@@ -155,7 +153,8 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     ptes = sorted((run_dir / "exports").glob("*.pte")) + [Path(p) for p in cfg.pte]
     prompts = list(prompts) if prompts else read_prompts(cfg.prompts)
     tokenizer = load_tokenizer(str(merged) if has_merged else base)
-    examples = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction).valid[: cfg.eval_blocks]
+    data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
+    examples = data.valid[: cfg.eval_blocks]
     if not examples:
         raise TunesmithError(f"{cfg.data} has no held-out blocks of {cfg.seq_len} tokens; lower --seq-len or add data")
 
@@ -185,7 +184,7 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
         rungs.append(timed("merged", score_eager, "merged fp32", model, tok, examples, prompts, cfg.max_tokens,
                            weights_bytes(merged), str(merged)))
         del model
-        rungs += _quantized_rungs(run_dir, merged, cfg, examples, prompts, timed, echo)
+        rungs += _quantized_rungs(run_dir, merged, cfg, data.train, examples, prompts, timed, echo)
     if ptes and importlib.util.find_spec("executorch") is None:
         echo(f"  {len(ptes)} .pte rung(s) skipped: running a .pte needs executorch: pip install 'tunesmith[ship]'")
         ptes = []
@@ -195,9 +194,9 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     return rungs
 
 
-def _quantized_rungs(run_dir, merged, cfg, examples, prompts, timed, echo) -> list[Rung]:
+def _quantized_rungs(run_dir, merged, cfg, train, examples, prompts, timed, echo) -> list[Rung]:
     from tunesmith.models import load_model
-    from tunesmith.quantize import import_torchao, weights_bytes
+    from tunesmith.quantize import calibration_blocks, import_torchao, weights_bytes
 
     try:
         import_torchao()
@@ -206,7 +205,8 @@ def _quantized_rungs(run_dir, merged, cfg, examples, prompts, timed, echo) -> li
         return []
     out = []
     for scheme, name in (("int8", "int8"), ("int4", f"int4 g{cfg.group_size}")):
-        folder = quantized_folder(run_dir, merged, scheme, cfg.group_size)
+        folder = quantized_folder(run_dir, merged, scheme, cfg.group_size,
+                                  calibration_blocks(train, cfg.calibration_blocks))
         model, tok = load_model(str(folder), "cpu")
         out.append(timed(name, score_eager, name, model, tok, examples, prompts, cfg.max_tokens, weights_bytes(folder),
                          str(folder)))

@@ -173,9 +173,7 @@ class DemoConfig(TrainConfig):
     eval_every: int = opt(0, "evaluate every N steps during training (0: only at the end)")
     sample_tokens: int = opt(60, "tokens per before/after sample")
     sample_temperature: float = opt(0.7, "temperature of the before/after samples")
-    ship: bool = opt(
-        False, "finish by exporting a 4-bit .pte and printing the quality ladder (needs tunesmith[ship]; minutes on a CPU)"
-    )
+    ship: bool = opt(True, "finish by exporting a 4-bit .pte and printing the quality ladder (needs tunesmith[ship])")
 
 
 @dataclass
@@ -218,6 +216,7 @@ class QuantizeConfig(DataConfig):
     scheme: str = opt("int8", "int8 (per output channel) or int4 (group-wise) weights", choices=["int8", "int4"])
     group_size: int = opt(32, "int4: weights per quantization group", choices=[32, 64, 128])
     output: str = opt("", "folder for the quantized model (config, tokenizer, weights, tunesmith-quant.json)")
+    calibration_blocks: int = opt(64, "int4: training blocks GPTQ calibrates on (0: round to nearest, no data)")
     eval_blocks: int = opt(16, "held-out blocks to compare float and quantized perplexity on (0: skip the check)")
     max_tokens: int = opt(32, "greedy tokens generated to time float vs quantized decoding")
 
@@ -259,6 +258,7 @@ class CompareConfig(DataConfig):
     pte: list[str] = opt([], "extra .pte files, comma-separated (every .pte under <run-dir>/exports is included)",
                          type=list_value)
     group_size: int = same_as(QuantizeConfig, "group_size")
+    calibration_blocks: int = same_as(QuantizeConfig, "calibration_blocks")
     eval_blocks: int = opt(16, "held-out blocks of --seq-len tokens that every rung is scored on")
     prompts: str | None = opt(None, "text file with one prompt per line, \\n for a newline (default: the demo's prompts)")
     max_tokens: int = opt(40, "greedy tokens generated per prompt")

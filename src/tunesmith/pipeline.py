@@ -85,29 +85,33 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
     _write(out)
     _print_table(console, out)
     if cfg.ship:
-        ship(cfg, merged_dir, console)
+        ship(cfg, merged_dir, console, data.train)
     write_report(run_dir, echo=console.out)
     return out
 
 
-def ship(cfg: DemoConfig, merged_dir: Path, console) -> None:
-    """The last step: export the merged model as a 4-bit .pte, then the quality ladder over every artifact."""
+def ship(cfg: DemoConfig, merged_dir: Path, console, train) -> None:
+    """The last step: int4 (GPTQ on the training text) -> a 4-bit .pte, then the quality ladder over every artifact."""
     import importlib.util
 
-    from tunesmith.compare import compare
+    from tunesmith.compare import compare, quantized_folder
     from tunesmith.config import CompareConfig, ExportConfig
     from tunesmith.export import export
+    from tunesmith.quantize import calibration_blocks
 
     run_dir = merged_dir.parent
     if any(importlib.util.find_spec(m) is None for m in ("executorch", "torchao")):
         console.print("ship step skipped: the .pte export and the int8/int4 rungs need pip install 'tunesmith[ship]'")
         return
+    ladder = CompareConfig(run_dir=str(run_dir), model=cfg.model, data=cfg.data, seq_len=cfg.seq_len,
+                           val_fraction=cfg.val_fraction)
     t = time.perf_counter()
-    pte = export(ExportConfig(model=str(merged_dir), format="pte", output=str(run_dir / "exports" / "model-8da4w.pte"),
-                              quant="8da4w", max_seq_len=cfg.seq_len))
-    console.print(f"exported {pte} ({pte.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
-    compare(CompareConfig(run_dir=str(run_dir), model=cfg.model, data=cfg.data, seq_len=cfg.seq_len,
-                          val_fraction=cfg.val_fraction), console, prompts=DEMO_PROMPTS)
+    int4 = quantized_folder(run_dir, merged_dir, "int4", ladder.group_size,
+                            calibration_blocks(train, ladder.calibration_blocks))
+    pte = export(ExportConfig(model=str(int4), format="pte", output=str(run_dir / "exports" / "model-8da4w.pte"),
+                              quant="8da4w", group_size=ladder.group_size, max_seq_len=cfg.seq_len))
+    console.print(f"int4 (GPTQ) and {pte} ({pte.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
+    compare(ladder, console, prompts=DEMO_PROMPTS)
 
 
 def _write(r: DemoResult) -> None:

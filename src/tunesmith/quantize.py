@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,17 +43,6 @@ def import_torchao():
     return quantize_
 
 
-def _configs(scheme: str, group_size: int):
-    """(config for linear weights, config for the embedding table) as torchao spells them."""
-    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig
-    from torchao.quantization.granularity import PerAxis, PerGroup
-
-    embedding = IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
-    if scheme == "int8":
-        return Int8WeightOnlyConfig(), embedding
-    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size)), embedding
-
-
 def check_scheme(scheme: str, group_size: int) -> None:
     if scheme not in SCHEMES:
         raise TunesmithError(f"--scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
@@ -70,24 +60,78 @@ def untie_lm_head(model: torch.nn.Module) -> None:
         model.config.get_text_config().tie_word_embeddings = False
 
 
-def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int = 32) -> list[str]:
-    """Quantize `model` in place; returns the names of the quantized linear layers."""
+def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int = 32,
+                   calibration: Sequence[Sequence[int]] | None = None) -> dict:
+    """Quantize `model` in place (torchao tensors); returns what was done, for tunesmith-quant.json.
+
+    int8: every linear (lm_head too) int8 per output channel, run by torchao's int8 weight-only kernel. int4: the
+    decoder layers' linears int4 in groups, chosen by GPTQ when `calibration` (token blocks) is given, else rounded
+    to nearest; lm_head int8 per channel (4 bits there cost as much perplexity as all the layers' down_proj together).
+    Both: the embedding table int8 per row.
+    """
     check_scheme(scheme, group_size)
     quantize_ = import_torchao()
-    linear_cfg, embedding_cfg = _configs(scheme, group_size)
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerAxis
+
     untie_lm_head(model)
     model.requires_grad_(False)
-    done: list[str] = []
+    info: dict = {"scheme": scheme, "group_size": group_size if scheme == "int4" else None,
+                  "embedding": "int8 per row", "lm_head": "int8 per channel"}
+    if scheme == "int8":
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+        info.update(method="round to nearest", linear="int8 per channel")
+    else:
+        info.update(_int4_layers(model, group_size, calibration), linear=f"int4 symmetric, groups of {group_size}")
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(int8_rows(head.weight), requires_grad=False)
+    info["quantized_linear_layers"] = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
+              filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
+    return info
 
-    def is_linear(m: torch.nn.Module, name: str) -> bool:
-        ok = isinstance(m, torch.nn.Linear) and (scheme == "int8" or m.in_features % group_size == 0)
-        if ok:
-            done.append(name)
-        return ok
 
-    quantize_(model, linear_cfg, filter_fn=is_linear)
-    quantize_(model, embedding_cfg, filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
-    return done
+def _int4_layers(model, group_size: int, calibration) -> dict:
+    """int4 weights for every linear inside model.model.layers: GPTQ with calibration, else round to nearest."""
+    from tunesmith import gptq
+
+    if not (hasattr(model, "model") and hasattr(model.model, "layers")):
+        raise TunesmithError("int4 needs a decoder-only model with model.model.layers (the Llama / Qwen / Mistral shape)")
+    for name, m in model.model.layers.named_modules():
+        if isinstance(m, torch.nn.Linear) and m.in_features % group_size:
+            raise TunesmithError(f"layer {name} has {m.in_features} inputs, not a multiple of --group-size {group_size}")
+    if calibration:
+        scales = gptq.gptq_decoder_layers(model, calibration, group_size)
+        method = {"method": "gptq (act-order, static groups, sequential)", "calibration_blocks": len(calibration)}
+    else:
+        scales = {}
+        for name, m in model.model.layers.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                q, scales[f"model.layers.{name}"] = gptq.rtn(m.weight, group_size)
+                m.weight.data = q
+        method = {"method": "round to nearest", "calibration_blocks": 0}
+    for name, s in scales.items():
+        m = model.get_submodule(name)
+        m.weight = torch.nn.Parameter(int4_groups(m.weight, s, group_size), requires_grad=False)
+    return method
+
+
+def int4_groups(dequantized: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """A torchao int4 tensor from weights already on the grid (gptq.py) and their scales [out, in / group_size]."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    return IntxUnpackedToInt8Tensor.from_hp(
+        dequantized.float(), (1, group_size), torch.int4, intx_choose_qparams_algorithm=None,
+        custom_scale=scales.float(), custom_zero_point=torch.zeros_like(scales, dtype=torch.int8),
+    )
+
+
+def int8_rows(weight: torch.Tensor):
+    """A torchao int8 tensor, symmetric, one scale per output row (what XNNPACK runs as 8-bit per channel)."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor, MappingType
+
+    return IntxUnpackedToInt8Tensor.from_hp(weight.detach().float(), (1, weight.shape[1]), torch.int8,
+                                            mapping_type=MappingType.SYMMETRIC)
 
 
 # --------------------------------------------------------------------------------------------- the folder
@@ -243,6 +287,14 @@ def measure(model, tokenizer, examples, nbytes: int, max_tokens: int, prompt: st
     return Measure(nbytes, ppl, tps)
 
 
+def calibration_blocks(train: Sequence, n: int) -> list[list[int]]:
+    """n token blocks spread evenly over the training split (not the first n: those are one play / one file)."""
+    if n <= 0 or not train:
+        return []
+    step = max(1, len(train) // n)
+    return [list(ids) for ids, _ in train[::step][:n]]
+
+
 def quantize(cfg) -> QuantizeResult:
     """The `quantize` verb: load the float model (+ adapter, merged), quantize, save, reload, compare."""
     from tunesmith.data import load_data
@@ -259,19 +311,18 @@ def quantize(cfg) -> QuantizeResult:
         from tunesmith.lora import load_adapter
 
         model = load_adapter(model, cfg.adapter).merge_and_unload()
-    examples = []
-    if cfg.eval_blocks:
-        examples = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction).valid[: cfg.eval_blocks]
-        if not examples:
-            raise TunesmithError(f"{cfg.data} has no held-out blocks of {cfg.seq_len} tokens; lower --seq-len")
+    data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction) if cfg.eval_blocks or cfg.calibration_blocks else None
+    examples = data.valid[: cfg.eval_blocks] if data and cfg.eval_blocks else []
+    if cfg.eval_blocks and not examples:
+        raise TunesmithError(f"{cfg.data} has no held-out blocks of {cfg.seq_len} tokens; lower --seq-len")
+    calibration = calibration_blocks(data.train, cfg.calibration_blocks) if data and cfg.scheme == "int4" else None
     before = measure(model, tokenizer, examples, float_bytes, cfg.max_tokens)
     t = time.perf_counter()
-    layers = quantize_model(model, cfg.scheme, cfg.group_size)
-    info = {"scheme": cfg.scheme, "group_size": cfg.group_size if cfg.scheme == "int4" else None,
-            "embedding": "int8 per row", "layers": len(layers), "source": str(cfg.model),
-            "adapter": str(cfg.adapter) if cfg.adapter else None, "seconds": round(time.perf_counter() - t, 2)}
+    info = quantize_model(model, cfg.scheme, cfg.group_size, calibration)
+    info.update(source=str(cfg.model), adapter=str(cfg.adapter) if cfg.adapter else None,
+                seconds=round(time.perf_counter() - t, 1))
     out = save_quantized(model, tokenizer, cfg.output, info)
     del model
     reloaded, _ = load_quantized(out)  # measure what was written, not what is in memory
     after = measure(reloaded, tokenizer, examples, weights_bytes(out), cfg.max_tokens)
-    return QuantizeResult(out, cfg.scheme, cfg.group_size, len(layers), before, after)
+    return QuantizeResult(out, cfg.scheme, cfg.group_size, info["quantized_linear_layers"], before, after)

@@ -34,7 +34,9 @@ def check_quant(quant: str, group_size: int | None) -> tuple[str, str | None]:
     if quant not in QUANTS:
         raise TunesmithError(f"--quant {quant!r} is not a Core ML option; choose one of {', '.join(QUANTS)}")
     if quant == "int4" and (group_size is None or group_size < 8 or group_size & (group_size - 1)):
-        raise TunesmithError(f"Core ML int4 blocks must be a power of two >= 8 weights; got --group-size {group_size}")
+        raise TunesmithError(
+            f"Core ML int4 blocks must be a power of two >= 8 weights; got --group-size {group_size}"
+        )
     return QUANTS[quant]
 
 
@@ -107,7 +109,9 @@ def load_step(model_dir: Path, max_seq_len: int) -> tuple[DecodeStep, object]:
     """The fp32 decode-step wrapper of the model in `model_dir`, and the loaded HF model's config."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     if model.config.model_type not in SUPPORTED_MODEL_TYPES:
         raise TunesmithError(
             f"Core ML export supports the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}); this model is "
@@ -138,6 +142,15 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
     package = output if output.suffix == ".mlpackage" else output / "model.mlpackage"
     if package.exists() and not (package / "Manifest.json").is_file():
         raise TunesmithError(f"{package} exists and is not an .mlpackage; choose another --output")
+    if (
+        package.parent == output
+        and output.is_dir()
+        and any(output.iterdir())
+        and not (output / MARKER).is_file()
+    ):
+        raise TunesmithError(
+            f"{output} exists and is not a tunesmith export folder; choose an empty --output"
+        )
     step, config = load_step(model_dir, max_seq_len)
     with torch.no_grad():
         traced = torch.jit.trace(step, step.example_inputs())
@@ -175,7 +188,8 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
         "source": str(model_dir),
     }
     mlmodel.short_description = "tunesmith decode step: one token in, logits and its KV out (static KV cache)"
-    mlmodel.user_defined_metadata.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items() if k != "source"})
+    shown = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items() if k != "source"}
+    mlmodel.user_defined_metadata.update(shown)
     _save(mlmodel, package)
     validate(package, step, quant)
     if package.parent == output:
@@ -194,7 +208,9 @@ def _compress(mlmodel, compression: str, group_size: int | None):
     if compression == "int8":
         op = OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
     else:
-        op = OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=group_size)
+        op = OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=group_size
+        )
     return linear_quantize_weights(mlmodel, config=OptimizationConfig(global_config=op))
 
 
@@ -231,7 +247,10 @@ def validate(package: Path, step: DecodeStep, quant: str) -> dict:
     cache, vocab = step.cache_shape(), step.lm_head.out_features
     new = (*cache[:2], 1, cache[3])
     want_in = {
-        "input_ids": ((1, 1), "INT32"), "position": ((1,), "INT32"), "k_cache": (cache, dtype), "v_cache": (cache, dtype)
+        "input_ids": ((1, 1), "INT32"),
+        "position": ((1,), "INT32"),
+        "k_cache": (cache, dtype),
+        "v_cache": (cache, dtype),
     }
     want_out = {"logits": ((1, 1, vocab), dtype), "k_new": (new, dtype), "v_new": (new, dtype)}
 

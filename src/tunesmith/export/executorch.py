@@ -4,10 +4,12 @@ The program has one method, forward(tokens [1, T], input_pos [T]) -> logits [1, 
 max_seq_len: prefill passes the prompt at positions 0..T-1, decode passes one token at its position. The KV cache
 lives in the program as mutable buffers (zero at load), so a caller only keeps track of the position.
 
-Weights: fp32; 8w (int8 per output channel); 8da4w (int4 in groups of --group-size). XNNPACK computes quantized
-linears with int8 dynamically quantized activations, so 8w runs as 8da8w; the embedding table of a quantized
-program is int8 per row. Weight-only int4 with float activations (4w) has no XNNPACK kernel in ExecuTorch 1.5:
-the module refuses it and names the alternatives.
+Weights: fp32; 8w (int8 per output channel); 8da4w (int4 in groups of --group-size, lm_head int8). XNNPACK
+computes quantized linears with int8 dynamically quantized activations, so 8w runs as 8da8w; the embedding table of
+a quantized program is int8 per row. For 8da4w, export a `tunesmith quantize --scheme int4` folder: its GPTQ
+weights are kept as they are (from a float folder they are rounded to nearest, which costs more perplexity).
+Weight-only int4 with float activations (4w) has no XNNPACK kernel in ExecuTorch 1.5: the module refuses it and
+names the alternatives.
 
 Supported: decoder-only models whose layers are Llama-shaped (model_type llama, mistral, qwen2: SmolLM, SmolLM2,
 Llama 2/3, TinyLlama, Mistral, Qwen2/2.5).
@@ -149,51 +151,75 @@ def check_architecture(config, max_seq_len: int) -> None:
         raise TunesmithError(f"--max-seq-len {max_seq_len} exceeds the model's context ({limit} tokens); lower it")
 
 
-def load_wrapper(model_dir: Path, max_seq_len: int):
-    """(StaticCacheLM around the fp32 model, tokenizer) from a plain HF folder."""
+def load_wrapper(model_dir: Path, max_seq_len: int, quant: str = "fp32", group_size: int = 32):
+    """(StaticCacheLM, tokenizer, where the weights come from) for a plain HF folder (fp32 weights), or for a
+    `tunesmith quantize` int4 folder, whose weights (GPTQ) an 8da4w program keeps as they are."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tunesmith.quantize import is_quantized, load_quantized, read_info
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise TunesmithError(f"{model_dir} is not a model folder: it has no config.json")
-    if (model_dir / "tunesmith-quant.json").is_file():
-        raise TunesmithError(
-            f"{model_dir} is a `tunesmith quantize` folder (eager torchao weights); export the float model "
-            "and pick the .pte weights with --quant"
-        )
     check_architecture(AutoConfig.from_pretrained(model_dir), max_seq_len)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    if is_quantized(model_dir):
+        info = read_info(model_dir)
+        if (quant, info.get("scheme"), info.get("group_size")) != ("8da4w", "int4", group_size):
+            held = f"{info.get('scheme')}" + (f" g{info['group_size']}" if info.get("group_size") else "")
+            raise TunesmithError(
+                f"{model_dir} holds {held} weights from `tunesmith quantize`; a .pte keeps int4 weights as 8da4w: "
+                f"pass --quant 8da4w --group-size {info.get('group_size') or 32} (for an int4 folder), or export "
+                f"the float model for --quant {quant}"
+            )
+        model, tokenizer = load_quantized(model_dir)
+        source = f"tunesmith quantize: {info.get('method')}"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        source = "float weights" + ("" if quant == "fp32" else ", quantized here (round to nearest)")
     # padding_idx only shapes training gradients, and with it set the int8 gather is not recognised when lowering.
     model.get_input_embeddings().padding_idx = None
-    return StaticCacheLM(model, max_seq_len).eval(), AutoTokenizer.from_pretrained(model_dir)
+    return StaticCacheLM(model, max_seq_len).eval(), tokenizer, source
 
 
 def quantize_for_xnnpack(wrapper: StaticCacheLM, quant: str, group_size: int) -> int:
-    """Quantize the linear layers (and the embedding table) the way XNNPACK runs them; returns layers quantized."""
+    """Quantize the weights the way XNNPACK runs them (int8 dynamic activations); returns linear layers quantized.
+
+    8w: every linear int8 per channel. 8da4w: the layers' linears int4 in groups and lm_head int8 per channel, as
+    `tunesmith quantize --scheme int4` makes them (weights already quantized there are kept). Both: the embedding
+    table int8 per row, which lowers to quantized_decomposed::embedding_byte (a gather of the rows it needs).
+    """
     if quant == "fp32":
         return 0
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, quantize_
-    from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization import (
+        Int8DynamicActivationIntxWeightConfig,
+        IntxUnpackedToInt8Tensor,
+        IntxWeightOnlyConfig,
+        quantize_,
+    )
+    from torchao.quantization.granularity import PerAxis
 
-    from tunesmith.quantize import untie_lm_head
+    from tunesmith.quantize import quantize_model, untie_lm_head
 
-    untie_lm_head(wrapper.model)
-    granularity = PerAxis(0) if quant == "8w" else PerGroup(group_size)
-    bits = torch.int8 if quant == "8w" else torch.int4
-    done = []
-
-    def is_linear(m: torch.nn.Module, name: str) -> bool:
-        ok = isinstance(m, torch.nn.Linear) and (quant == "8w" or m.in_features % group_size == 0)
-        if ok:
-            done.append(name)
-        return ok
-
-    quantize_(wrapper, Int8DynamicActivationIntxWeightConfig(weight_dtype=bits, weight_granularity=granularity),
-              filter_fn=is_linear)
-    # The table becomes quantized_decomposed::embedding_byte, a gather that reads only the rows it needs.
-    quantize_(wrapper, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
-              filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
-    return len(done)
+    model = wrapper.model
+    already = isinstance(model.get_output_embeddings().weight, IntxUnpackedToInt8Tensor)
+    if quant == "8w":
+        untie_lm_head(model)
+        quantize_(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)),
+                  filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+        quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
+                  filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
+    elif not already:
+        quantize_model(model, "int4", group_size)
+    done = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Linear) and isinstance(w, IntxUnpackedToInt8Tensor):
+            m.weight = torch.nn.Parameter(IntxUnpackedToInt8Tensor(
+                w.qdata, w.scale, w.zero_point, w.target_dtype, w.block_size, w.dtype, "int8_asym_per_token"
+            ), requires_grad=False)
+            done += 1
+    return done
 
 
 def lower(wrapper: StaticCacheLM, max_seq_len: int) -> bytes:
@@ -224,7 +250,7 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int, max_seq_l
     import_executorch()
     pte, meta_path = pte_paths(Path(output))
     started = time.perf_counter()
-    wrapper, tokenizer = load_wrapper(Path(model_dir), max_seq_len)
+    wrapper, tokenizer, source = load_wrapper(Path(model_dir), max_seq_len, quant, group_size)
     layers = quantize_for_xnnpack(wrapper, quant, group_size)
     buffer = lower(wrapper, max_seq_len)
     pte.parent.mkdir(parents=True, exist_ok=True)
@@ -241,6 +267,7 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int, max_seq_l
         "quant": quant,
         "group_size": group_size if quant == "8da4w" else None,
         "quantized_linear_layers": layers,
+        "weights": source,
         "max_seq_len": max_seq_len,
         "vocab_size": config.vocab_size,
         "eos_token_ids": sorted(_stop_ids(tokenizer, wrapper.model)),

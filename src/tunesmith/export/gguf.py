@@ -1,10 +1,10 @@
-"""HF folder -> one llama.cpp GGUF file (f32, f16, q8_0, q4_0) with the tokenizer and chat template inside.
+"""HF folder -> one llama.cpp GGUF file (f32, f16, q8_0, q4_1, q4_0, q4_0_mixed) with tokenizer and chat template.
 
-Supported: the Llama family (model_type "llama": SmolLM, SmolLM2, Llama 3 with plain rope, TinyLlama-shaped
-models) with a byte-level BPE tokenizer ("gpt2" in GGUF terms). Tensor names come from the gguf package's own
-HF -> GGUF map and the q8_0 / q4_0 blocks from its reference quantizers, so the file is what llama.cpp's
-convert_hf_to_gguf.py + llama-quantize would write for the same weights. Anything else is a TunesmithError that
-says what is missing.
+Supported: the Llama family (model_type "llama": SmolLM, SmolLM2, Llama 3.0 and other models with default or
+linear rope) with a byte-level BPE tokenizer ("gpt2" in GGUF terms). Tensor names come from the gguf package's own
+HF -> GGUF map and the q8_0 / q4_x blocks from its reference quantizers, so the file is what llama.cpp's
+convert_hf_to_gguf.py + llama-quantize would write for the same weights, but for the 4-bit types' output head
+(q8_0 here, q6_K there). Anything else is a TunesmithError that says what is unsupported.
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ import numpy as np
 
 from tunesmith.errors import TunesmithError
 
-QUANTS = ("f32", "f16", "q8_0", "q4_0")
+QUANTS = ("f32", "f16", "q8_0", "q4_1", "q4_0", "q4_0_mixed")
 ALIASES = {"fp32": "f32", "fp16": "f16"}  # the export verb's precision names
 BLOCK = 32  # q8_0 and q4_0 blocks are fixed at 32 weights; --group-size cannot change that
 SUPPORTED_MODEL_TYPES = {"llama": "llama"}  # HF model_type -> GGUF general.architecture
+# q4_0_mixed: q4_0 except these (in every block) and the whole last block, kept at q8_0. On SmolLM2-135M they carry
+# most of q4_0's perplexity loss (docs/EXPORT.md), the same matrices llama.cpp's Q4_K_M gives more bits.
+MIXED_Q8 = ("attn_v", "ffn_down")
 
 # llama.cpp picks its pre-tokenizer regex by name; these are the byte-level BPE layouts we can recognise exactly.
 LLAMA3_SPLIT = (
@@ -34,8 +37,10 @@ def check_quant(quant: str, group_size: int | None = BLOCK) -> str:
     name = ALIASES.get(quant, quant)
     if name not in QUANTS:
         raise TunesmithError(f"--quant {quant!r} is not a GGUF type; choose one of {', '.join(QUANTS)}")
-    if name in ("q8_0", "q4_0") and group_size not in (None, BLOCK):
-        raise TunesmithError(f"GGUF {name} uses fixed blocks of {BLOCK} weights; drop --group-size {group_size}")
+    if name.startswith("q") and group_size not in (None, BLOCK):
+        raise TunesmithError(
+            f"GGUF {name} uses fixed blocks of {BLOCK} weights; drop --group-size {group_size}"
+        )
     return name
 
 
@@ -53,7 +58,9 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    writer = gguf.GGUFWriter(tmp, SUPPORTED_MODEL_TYPES[config.model_type], use_temp_file=True)  # spools to disk
+    writer = gguf.GGUFWriter(
+        tmp, SUPPORTED_MODEL_TYPES[config.model_type], use_temp_file=True
+    )  # spools to disk
     try:
         _add_hparams(writer, config, qname, path.stem)
         _add_tokenizer(writer, model_dir, config.vocab_size)
@@ -119,7 +126,9 @@ def _add_hparams(writer, config, qname: str, name: str) -> None:
         "f32": gguf.LlamaFileType.ALL_F32,
         "f16": gguf.LlamaFileType.MOSTLY_F16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
         "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+        "q4_0_mixed": gguf.LlamaFileType.MOSTLY_Q4_0,
     }
     head_dim = _head_dim(config)
     rope = _rope(config)
@@ -153,7 +162,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor_type(name: str, data: np.ndarray, qname: str):
+def _tensor_type(name: str, data: np.ndarray, qname: str, n_layers: int):
     import gguf
 
     T = gguf.GGMLQuantizationType
@@ -161,11 +170,15 @@ def _tensor_type(name: str, data: np.ndarray, qname: str):
         return T.F32  # norms stay f32 in every llama.cpp file type
     if qname == "f16":
         return T.F16
-    if qname == "q4_0" and name in ("token_embd.weight", "output.weight"):
+    if qname == "q8_0" or name in ("token_embd.weight", "output.weight"):
         # The output head (the tied embedding in SmolLM2) is the most quantization-sensitive matrix; llama-quantize
         # keeps it at 6+ bits for q4 types, and q8_0 is the closest type the gguf package can write.
         return T.Q8_0
-    return T.Q8_0 if qname == "q8_0" else T.Q4_0
+    if qname == "q4_1":
+        return T.Q4_1
+    if qname == "q4_0_mixed" and (name.split(".")[-2] in MIXED_Q8 or name.startswith(f"blk.{n_layers - 1}.")):
+        return T.Q8_0
+    return T.Q4_0
 
 
 def _tensors(model_dir: Path, config, qname: str):
@@ -181,7 +194,9 @@ def _tensors(model_dir: Path, config, qname: str):
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_word_embeddings):
+                if key.endswith("rotary_emb.inv_freq") or (
+                    key == "lm_head.weight" and config.tie_word_embeddings
+                ):
                     continue
                 name = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if name is None:
@@ -191,10 +206,12 @@ def _tensors(model_dir: Path, config, qname: str):
                     data = _permute(data, n_head)
                 elif key.endswith("k_proj.weight"):
                     data = _permute(data, n_kv)
-                qtype = _tensor_type(name, data, qname)
+                qtype = _tensor_type(name, data, qname, config.num_hidden_layers)
                 try:
                     yield name, gguf.quants.quantize(data, qtype), qtype
-                except gguf.quants.QuantError:  # rows not a multiple of 32 (only in odd tiny models): keep f16
+                except (
+                    gguf.quants.QuantError
+                ):  # rows not a multiple of 32 (only in odd tiny models): keep f16
                     yield name, data.astype(np.float16), gguf.GGMLQuantizationType.F16
 
 
@@ -208,7 +225,11 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
     kinds = [s.get("type") for s in steps]
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
         return "gpt-2"
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+    if (
+        kinds == ["Digits", "ByteLevel"]
+        and steps[0].get("individual_digits")
+        and steps[1].get("use_regex", True)
+    ):
         return "smollm"  # SmolLM / SmolLM2 as shipped on the hub
     if kinds == ["Split", "ByteLevel"] and steps[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT:
         return "llama-bpe"  # Llama 3
@@ -228,7 +249,11 @@ def _add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
         raise TunesmithError(f"GGUF export needs the tokenizer as {file} (a fast tokenizer's tokenizer.json)")
     spec = json.loads(file.read_text(encoding="utf-8"))
     model = spec.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback") or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+    if (
+        model.get("type") != "BPE"
+        or model.get("byte_fallback")
+        or (spec.get("decoder") or {}).get("type") != "ByteLevel"
+    ):
         raise TunesmithError(
             "GGUF export supports byte-level BPE tokenizers (GPT-2 style, as in SmolLM2 and Llama 3); this one is "
             f"{model.get('type')} with a {(spec.get('decoder') or {}).get('type')} decoder"
@@ -238,7 +263,9 @@ def _add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
     for added in spec.get("added_tokens", []):
         tokens[added["id"]] = (added["content"], T.CONTROL if added.get("special") else T.USER_DEFINED)
     if max(tokens) >= vocab_size:
-        raise TunesmithError(f"the tokenizer has token id {max(tokens)} but the model's vocab_size is {vocab_size}")
+        raise TunesmithError(
+            f"the tokenizer has token id {max(tokens)} but the model's vocab_size is {vocab_size}"
+        )
     padded = [tokens.get(i, (f"[PAD{i}]", T.UNUSED)) for i in range(vocab_size)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre_tokenizer_name(spec))

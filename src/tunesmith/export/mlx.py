@@ -21,7 +21,9 @@ PRECISIONS = {"fp32": "float32", "none": "float32", "bf16": "bfloat16", "fp16": 
 BITS = {"8bit": 8, "4bit": 4}
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
 DEFAULT_GROUP_SIZE = 64  # mlx-lm's own default, and what mlx-community models use
-QUANTIZED_DTYPE = "bfloat16"  # scales, norms and embeddings of a 4/8-bit export, as mlx-lm's converter leaves them
+QUANTIZED_DTYPE = (
+    "bfloat16"  # scales, norms and embeddings of a 4/8-bit export, as mlx-lm's converter leaves them
+)
 MARKER = "tunesmith-export.json"
 
 
@@ -30,10 +32,14 @@ def check_quant(quant: str, group_size: int | None) -> tuple[str, int | None, in
     if quant in PRECISIONS:
         return PRECISIONS[quant], None, None
     if quant not in BITS:
-        raise TunesmithError(f"--quant {quant!r} is not an MLX option; choose one of {', '.join([*PRECISIONS, *BITS])}")
+        raise TunesmithError(
+            f"--quant {quant!r} is not an MLX option; choose one of {', '.join([*PRECISIONS, *BITS])}"
+        )
     group = DEFAULT_GROUP_SIZE if group_size is None else group_size
     if group not in GROUP_SIZES:
-        raise TunesmithError(f"MLX quantization groups are {', '.join(map(str, GROUP_SIZES))} weights; got --group-size {group}")
+        raise TunesmithError(
+            f"MLX quantization groups are {', '.join(map(str, GROUP_SIZES))} weights; got --group-size {group}"
+        )
     return QUANTIZED_DTYPE, BITS[quant], group
 
 
@@ -55,8 +61,12 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
     except (ValueError, FileNotFoundError) as e:  # an architecture mlx-lm does not implement, missing weights
         raise TunesmithError(f"mlx-lm cannot load {model_dir}: {str(e).splitlines()[0]}") from None
     target = getattr(mx, dtype)
-    model.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
-    config["torch_dtype"] = dtype
+    model.update(
+        tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters())
+    )
+    _legacy_rope(config)
+    config.pop("torch_dtype", None)  # transformers 5 names it dtype
+    config["dtype"] = dtype
     if bits:
         model, config = quantize_model(model, config, group, bits)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +82,21 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _legacy_rope(config: dict) -> None:
+    """Spell the rope settings the way mlx-lm's model files read them.
+
+    transformers 5 writes `rope_parameters: {rope_theta, rope_type, ...}`; mlx-lm's llama (and most of its models)
+    reads top-level `rope_theta` and `rope_scaling`, and silently falls back to theta 10000 without them. SmolLM2
+    uses 100000, so without this the export loads and runs, just as a different model.
+    """
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:  # absent, or nested per layer type
+        return
+    config.setdefault("rope_theta", rope["rope_theta"])
+    if rope.get("rope_type", "default") != "default":
+        config.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
 
 
 def _check_output(out: Path) -> Path:
@@ -110,7 +135,9 @@ def export_adapter(adapter_dir: Path, output: Path, num_hidden_layers: int | Non
     for name, tensor in load_file(folder / "adapter_model.safetensors").items():
         m = _PEFT_KEY.match(name)
         if m is None:
-            raise TunesmithError(f"{folder}: '{name}' is not a LoRA A/B weight; only LoRA on linear layers converts")
+            raise TunesmithError(
+                f"{folder}: '{name}' is not a LoRA A/B weight; only LoRA on linear layers converts"
+            )
         module = m["module"]
         weights[f"{module}.lora_{m['ab'].lower()}"] = np.ascontiguousarray(tensor.float().numpy().T)
         layer = _LAYER.match(module)
@@ -129,7 +156,12 @@ def export_adapter(adapter_dir: Path, output: Path, num_hidden_layers: int | Non
     config = {
         "fine_tune_type": "lora",
         "num_layers": n,
-        "lora_parameters": {"rank": rank, "scale": scale, "dropout": float(peft.get("lora_dropout", 0.0)), "keys": sorted(keys)},
+        "lora_parameters": {
+            "rank": rank,
+            "scale": scale,
+            "dropout": float(peft.get("lora_dropout", 0.0)),
+            "keys": sorted(keys),
+        },
         "model": peft.get("base_model_name_or_path"),
     }
     out = Path(output)
@@ -156,4 +188,6 @@ def _check_peft_config(peft: dict, folder: Path) -> None:
         if peft.get(option):
             problems.append(option)
     if problems:
-        raise TunesmithError(f"{folder}: this adapter cannot be expressed in mlx-lm's LoRA format: {', '.join(problems)}")
+        raise TunesmithError(
+            f"{folder}: this adapter cannot be expressed in mlx-lm's LoRA format: {', '.join(problems)}"
+        )
