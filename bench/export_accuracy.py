@@ -3,8 +3,9 @@
     python bench/export_accuracy.py --model runs/demo/merged --blocks 16 --out /tmp/export-bench
 
 GGUF: logits on one held-out block (relative L2 error) and perplexity on --blocks blocks, read back with transformers'
-GGUF loader. MLX: greedy tokens from mlx-lm vs PyTorch, and perplexity (under mlx for fp32/bf16; for 8/4-bit, of
-the dequantized weights in PyTorch, see bench_mlx). Core ML: conversion time, size, spec check, and the converted
+GGUF loader; q8_0 / q4_0 / q4_0_mixed both rounded to nearest and by GPTQ on --calibration-blocks training blocks
+(export seconds then include GPTQ's). MLX: greedy tokens from mlx-lm vs PyTorch, and perplexity (under mlx for
+fp32/bf16; for 8/4-bit, of the dequantized weights in PyTorch, see bench_mlx). Core ML: conversion time, size, spec check, and the converted
 decode-step wrapper against the HF forward (prediction itself needs macOS).
 """
 
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tunesmith.data import load_data
 from tunesmith.evaluate import evaluate
 from tunesmith.models import resolve_model
+from tunesmith.quantize import calibration_blocks
 
 PROMPTS = ("ROMEO:\n", "JULIET:\nO Romeo", "First Citizen:\nBefore we proceed")
 
@@ -61,19 +63,25 @@ def emit(rows: list, row: tuple) -> None:
     print(f"| {fmt} | {quant} | {mib:.0f} | {seconds:.1f} | {note} | {shown} |", flush=True)
 
 
-def bench_gguf(folder, out, blocks, ref_logits, pad_id, rows):
+GGUF_ROWS = "f16,q8_0,q4_1,q4_0,q4_0_mixed,q8_0+gptq,q4_0+gptq,q4_0_mixed+gptq"
+
+
+def bench_gguf(folder, out, blocks, ref_logits, pad_id, rows, calibration, which: str = GGUF_ROWS):
+    """One row per GGUF type in `which`; `type+gptq`: calibrated on `calibration`."""
     from tunesmith.export import gguf
 
-    for quant in ("f16", "q8_0", "q4_1", "q4_0", "q4_0_mixed"):
+    for row in which.split(","):
+        quant, blocks_in = row.removesuffix("+gptq"), calibration if row.endswith("+gptq") else None
         t = time.perf_counter()
-        path = gguf.export(folder, out / f"model-{quant}.gguf", quant, 32, 256)
+        path = gguf.export(folder, out / f"model-{quant}.gguf", quant, 32, 256, calibration=blocks_in)
         seconds = time.perf_counter() - t
         model = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32).eval()
         with torch.no_grad():
             logits = model(torch.tensor([blocks[0][0]])).logits[0].numpy()
         ppl = evaluate(model, blocks, 4, 0, pad_id).perplexity
         note = f"logits rel {rel(logits, ref_logits):.2e}, {agreement(logits, ref_logits)}"
-        emit(rows, ("gguf", quant, size_mib(path), seconds, note, ppl))
+        label = f"{quant} GPTQ {len(blocks_in)}" if blocks_in else quant
+        emit(rows, ("gguf", label, size_mib(path), seconds, note, ppl))
         path.unlink()
 
 
@@ -177,12 +185,16 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=16, help="held-out Shakespeare blocks of 256 tokens")
     ap.add_argument("--out", default="/tmp/export-bench")
     ap.add_argument("--formats", default="gguf,mlx,coreml")
+    ap.add_argument("--gguf", default=GGUF_ROWS, help="GGUF rows: types, +gptq for calibrated ones")
+    ap.add_argument("--calibration-blocks", type=int, default=64, help="GGUF +gptq rows: training blocks")
     args = ap.parse_args()
     folder = Path(resolve_model(args.model))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    blocks = load_data("shakespeare", tokenizer, 256).valid[: args.blocks]
+    data = load_data("shakespeare", tokenizer, 256)
+    blocks = data.valid[: args.blocks]
+    calibration = calibration_blocks(data.train, args.calibration_blocks)
     ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         ref_logits = ref_model(torch.tensor([blocks[0][0]])).logits[0].numpy()
@@ -194,7 +206,7 @@ def main() -> None:
     emit(rows, ("pytorch", "fp32", size_mib(folder / "model.safetensors"), 0.0, "reference", ppl))
     formats = args.formats.split(",")
     if "gguf" in formats:
-        bench_gguf(folder, out, blocks, ref_logits, tokenizer.pad_token_id, rows)
+        bench_gguf(folder, out, blocks, ref_logits, tokenizer.pad_token_id, rows, calibration, args.gguf)
     if "mlx" in formats:
         bench_mlx(folder, out, blocks, tokenizer, ref_model, rows)
     if "coreml" in formats:

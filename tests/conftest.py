@@ -105,13 +105,8 @@ def tiny_train_config(tmp_path, tiny_dir, data, **kw):
 
 
 # Acceptance bounds of the export formats that the real 135M model does not meet yet (issue: ship it). Marked
-# strict, so a fix shows up as an unexpected pass and the mark must go; the .pte one lowers the 135M model for
-# minutes and is not run until its bound can hold.
+# strict, so a fix shows up as an unexpected pass and the mark must go.
 OPEN_BOUNDS = {
-    "tests/test_export_gguf.py::test_real_model_q8_0_logits_and_q4_0_perplexity":
-        ("GGUF q8_0 read back: relative L2 logit error measured 1.42e-2, bound 1e-2", True),
-    "tests/test_export_pte.py::test_real_135m_4bit_pte":
-        ("4-bit .pte (8da4w from GPTQ int4): perplexity +8.6%, bound +5%", False),
 }
 
 

@@ -6,6 +6,7 @@ Each export lowers a tiny model (seconds); the real 135M model is lowered once i
 
 import dataclasses
 import json
+import os
 import sys
 import types
 
@@ -233,9 +234,12 @@ def test_a_quantized_folder_exports_only_as_what_it_holds(int4_folder):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TUNESMITH_HEAVY") != "1",
+                    reason="lowering the 135M model to 8da4w takes ~10 minutes on 2 cores; TUNESMITH_HEAVY=1 runs it "
+                           "(bench/bench_pte.py measures the same on the tuned model, docs/SHIP.md)")
 def test_real_135m_4bit_pte(tmp_path):
-    """SmolLM2-135M as `quantize --scheme int4` (GPTQ) then an 8da4w program: perplexity within the int4 bound
-    (+5%), at most 0.3x the fp32 weights' bytes, and it generates."""
+    """SmolLM2-135M as `quantize --scheme int4` (GPTQ, affine, v_proj int8) then an 8da4w program: perplexity
+    within the int4 bound (+5%), at most 0.3x the fp32 weights' bytes, and it generates."""
     pytest.importorskip("executorch", reason="needs the ship extra: pip install 'tunesmith[ship]'")
     from tunesmith.compare import pte_perplexity
     from tunesmith.data import load_data

@@ -109,7 +109,9 @@ def test_quantize_verb_reports_float_and_quantized(trained, tokenizer, tmp_path,
     info = json.loads((r.output / QUANT_FILE).read_text())
     assert info["method"].startswith("gptq") and info["calibration_blocks"] == 8
     assert r.float.bytes == weights_bytes(float_dir) and r.quantized.bytes == weights_bytes(r.output)
-    assert r.quantized.bytes < 0.25 * r.float.bytes
+    assert info["grid"] == "affine" and info["kept_8bit"] == ["v_proj"] and len(info["affine_layers"]) == 12
+    # int4 codes (half a byte) + a bf16 scale and a float16 offset per 32, v_proj and lm_head int8, embedding int8.
+    assert r.quantized.bytes < 0.27 * r.float.bytes
     assert abs(r.quantized.perplexity / r.float.perplexity - 1) <= 0.05
     assert r.float.tokens_per_s > 0 and r.quantized.tokens_per_s > 0
 
@@ -148,7 +150,8 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs():
     x = torch.randn(512, 64, generator=gen) @ mix  # correlated features, as real activations are
     w = torch.randn(48, 64, generator=gen)
     hessian = 2 * x.T @ x / len(x)
-    (q_rtn, _), (q_gptq, scales) = rtn(w, 32), gptq(w, hessian, 32)
+    (q_rtn, _, _), (q_gptq, scales, offsets) = rtn(w, 32), gptq(w, hessian, 32)
+    assert not offsets.any()  # the default grid is XNNPACK's symmetric one
     out_err = {k: float((x @ (w - q).T).pow(2).mean()) for k, q in (("rtn", q_rtn), ("gptq", q_gptq))}
     assert out_err["gptq"] < 0.7 * out_err["rtn"]
     # On XNNPACK's grid: integer codes in [-8, 7] times a bfloat16 scale per group.
@@ -166,3 +169,43 @@ def test_gptq_calibration_lowers_int4_perplexity(trained, tokenizer, held_out):
         results[label] = ppl(q, held_out)
         assert info["calibration_blocks"] == (len(calibration) if calibration else 0)
     assert results["gptq"] < results["rtn"]
+
+
+def test_affine_grid_is_idempotent_and_the_offset_linear_computes_it():
+    """Weights already on an affine 4-bit grid (as in a model dequantized from Q4_1 / Q4_K) are found exactly, and
+    the eager layer (torchao int4 codes * scales, plus offsets times group sums) computes exactly those weights."""
+    from tunesmith.gptq import INT4, INT4_AFFINE, rtn
+    from tunesmith.quantize import GroupOffsetLinear, intx_groups
+
+    gen = torch.Generator().manual_seed(1)
+    # Q4_1's quantizer maps each block's min and max to codes 0 and 15: every group here uses both ends too.
+    codes = torch.randint(-8, 8, (24, 96), generator=gen)
+    codes[:, ::32], codes[:, 1::32] = -8, 7
+    scales = (0.002 + 0.01 * torch.rand(24, 3, generator=gen)).bfloat16().float()
+    offsets = (0.02 * torch.randn(24, 3, generator=gen)).half().float()
+    on_grid = codes * scales.repeat_interleave(32, dim=1) + offsets.repeat_interleave(32, dim=1)
+    again, scales2, offsets2 = rtn(on_grid, 32, INT4_AFFINE)
+    torch.testing.assert_close(again, on_grid, atol=1e-7, rtol=0)
+    assert torch.equal(scales2, scales) and torch.equal(offsets2, offsets)
+    assert (rtn(on_grid, 32, INT4)[0] - on_grid).norm() > 0.05 * on_grid.norm()  # the symmetric grid cannot
+
+    layer = torch.nn.Linear(96, 24, bias=False)
+    sym = on_grid - offsets.repeat_interleave(32, dim=1)
+    layer.weight = torch.nn.Parameter(intx_groups(sym, scales, 32), requires_grad=False)
+    GroupOffsetLinear.convert(layer, 32, offsets)
+    x = torch.randn(5, 96, generator=gen)
+    torch.testing.assert_close(layer(x), x @ on_grid.T, atol=1e-5, rtol=1e-5)
+
+
+def test_affine_beats_symmetric_and_keep_8bit_is_checked(trained, held_out):
+    x = torch.tensor([held_out[0][0]])
+    ref = trained(x).logits
+    errors = {}
+    for grid in ("affine", "symmetric"):
+        q = copy.deepcopy(trained)
+        info = quantize_model(q, "int4", 32, grid=grid, keep_8bit=())
+        assert info["grid"] == grid and bool(info["affine_layers"]) == (grid == "affine")
+        errors[grid] = float((q(x).logits - ref).norm() / ref.norm())
+    assert errors["affine"] < errors["symmetric"]
+    with pytest.raises(TunesmithError, match="--keep-8bit names wq"):
+        quantize_model(copy.deepcopy(trained), "int4", 32, keep_8bit=("wq",))

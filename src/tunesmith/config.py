@@ -217,6 +217,9 @@ class QuantizeConfig(DataConfig):
     group_size: int = opt(32, "int4: weights per quantization group", choices=[32, 64, 128])
     output: str = opt("", "folder for the quantized model (config, tokenizer, weights, tunesmith-quant.json)")
     calibration_blocks: int = opt(64, "int4: training blocks GPTQ calibrates on (0: round to nearest, no data)")
+    grid: str = opt("affine", "int4: affine (a scale and a float offset per group) or symmetric (a scale per group)",
+                    choices=["affine", "symmetric"])
+    keep_8bit: str = opt("v_proj", "int4: comma-separated linear names kept int8 per channel ('' for none)")
     eval_blocks: int = opt(16, "held-out blocks to compare float and quantized perplexity on (0: skip the check)")
     max_tokens: int = opt(32, "greedy tokens generated to time float vs quantized decoding")
 
@@ -230,9 +233,17 @@ class ExportConfig:
     format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder) or coreml (.mlpackage)",
                       choices=["pte", "gguf", "mlx", "coreml"])
     output: str = opt("", "file or folder to write, e.g. ship/model.pte")
-    quant: str = opt("fp32", "weights: pte fp32|8w|8da4w; gguf f16|q8_0|q4_0; mlx none|4bit|8bit; coreml fp16|int8|int4")
+    quant: str = opt("fp32", "weights: pte fp32|8w|8da4w; gguf f32|f16|q8_0|q4_1|q4_0|q4_0_mixed; "
+                             "mlx fp32|bf16|fp16|8bit|4bit; coreml fp32|fp16|int8|int4")
     group_size: int = opt(32, "weights per quantization group for the 4-bit schemes")
     max_seq_len: int = opt(256, "longest sequence (prompt + generated tokens) the artifact can hold")
+    calibration_blocks: int = opt(
+        64, "gguf q8_0|q4_0|q4_0_mixed: training blocks of --data that GPTQ calibrates the decoder weights on "
+        "(0: round to nearest, no data); other formats and quants ignore it"
+    )
+    data: str = same_as(DataConfig, "data")
+    seq_len: int = same_as(DataConfig, "seq_len")
+    val_fraction: float = same_as(DataConfig, "val_fraction")
 
 
 @dataclass

@@ -1,60 +1,138 @@
-"""int4 group-wise weights chosen well: GPTQ (Frantar et al., 2022) over a model's decoder layers, or round-to-nearest.
+"""Group-wise integer weights chosen well: GPTQ (Frantar et al., 2022) over a model's decoder layers, or round-to-nearest.
 
-The grid is the one XNNPACK runs (ExecuTorch's 8da4w): symmetric codes in [-8, 7], one scale per group of input
-weights, scales rounded to bfloat16 (the precision XNNPACK keeps them in). So the eager int4 model and the .pte
-hold the very same weights. Each group's scale is the multiple of max|w| (from CLIPS) with the least squared error.
+A `Grid` says what the weights may be: integer codes in [qmin, qmax] times one scale per group of input weights
+(rounded to the precision the consumer keeps scales in), plus, for an affine grid, one float offset per group
+(w ~= scale * code + offset, MLX's and llama.cpp Q4_1's form). The grids:
+
+- INT4: XNNPACK's 8da4w (symmetric codes in [-8, 7], bfloat16 scales): the eager int4 model and the .pte hold the
+  very same weights.
+- INT4_AFFINE: the same codes and scales plus a float offset per group. XNNPACK has no zero points, so the .pte
+  runs the offsets as a small separate product (export/executorch.py); eager adds it after torchao's linear.
+- INT8: per output channel (one group per row), float scales.
+- Q4_0 / Q8_0: llama.cpp's blocks of 32 with float16 scales, for GGUF files.
+
+Each group's scale (and offset) is the candidate from `clips` with the least squared error; clip 1.0 is always
+tried, so weights already on a grid (as in a model dequantized from a GGUF) are found exactly.
 
 GPTQ quantizes one column at a time and spreads each column's rounding error over the columns not yet quantized,
 weighted by the inverse Hessian of the layer's inputs (H = 2 X^T X over calibration tokens). Columns go in order
-of decreasing H diagonal (act-order) with each group's scale fixed beforehand from the unquantized weights (static
-groups). Decoder layers go in order, each calibrated on the outputs of the layers already quantized. On SmolLM2-135M
-this roughly quarters the perplexity cost of int4 against round-to-nearest (docs/SHIP.md).
+of decreasing H diagonal (act-order) with each group's scale fixed beforehand (static groups). Decoder layers go in
+order, each calibrated on the outputs of the layers already quantized.
 
-Pure torch: the functions return dequantized weights (exactly on the grid) and the scales; quantize.py turns them
-into torchao tensors.
+Pure torch: the functions return dequantized weights (exactly on the grid), scales and offsets; quantize.py and the
+exporters turn them into their own tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-QMIN, QMAX = -8, 7
-CLIPS = tuple(1.1 - 0.025 * i for i in range(15))  # 1.1 ... 0.75 of max|w| / 7.5
+CLIPS = tuple(1.1 - 0.025 * i for i in range(15))  # 1.1 ... 0.75 of the range
 
 
-def group_scales(w: torch.Tensor, clips: Sequence[float] = CLIPS) -> torch.Tensor:
-    """Scale per row of one group of columns w [out, g]: the clip of max|w| with the least squared error."""
-    amax = w.abs().amax(dim=1).clamp(min=1e-8)
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    qmin: int
+    qmax: int
+    scale_dtype: torch.dtype
+    divisor: float  # symmetric: scale = max|w| * clip / divisor
+    affine: bool = False
+    offset_dtype: torch.dtype = torch.float16  # affine: offsets are stored in float16 (as Q4_1 and MLX do)
+    clips: tuple[float, ...] = CLIPS
+
+
+INT4 = Grid("int4", -8, 7, torch.bfloat16, 7.5)
+INT4_AFFINE = Grid("int4-affine", -8, 7, torch.bfloat16, 7.5, affine=True)
+INT8 = Grid("int8", -127, 127, torch.float32, 127.0, clips=(1.0,))
+Q4_0 = Grid("q4_0", -8, 7, torch.float16, 7.5)
+Q8_0 = Grid("q8_0", -128, 127, torch.float16, 127.0, clips=(1.0,))
+
+# QMIN / QMAX of the default grid, for callers that only need XNNPACK's int4 range.
+QMIN, QMAX = INT4.qmin, INT4.qmax
+
+Plan = Callable[[str, torch.nn.Linear], "tuple[Grid, int] | None"]
+
+
+def _candidates(w: torch.Tensor, grid: Grid):
+    """(scale [out], offset [out]) candidates for one group of columns w [out, g]."""
+    if not grid.affine:
+        amax = w.abs().amax(dim=1).clamp(min=1e-8)
+        zero = torch.zeros_like(amax)
+        for c in grid.clips:
+            yield (amax * (c / grid.divisor)).to(grid.scale_dtype).float().clamp(min=1e-8), zero
+        return
+    lo, hi = w.amin(dim=1), w.amax(dim=1)
+    center, span = (hi + lo) / 2, (hi - lo).clamp(min=1e-8)
+    mid = (grid.qmin + grid.qmax) / 2
+    for c in grid.clips:
+        scale = (span * (c / (grid.qmax - grid.qmin))).to(grid.scale_dtype).float().clamp(min=1e-8)
+        offset = center - mid * scale
+        for _ in range(2):  # the least-squares offset for these codes, then the codes for that offset
+            codes = torch.clamp(torch.round((w - offset[:, None]) / scale[:, None]), grid.qmin, grid.qmax)
+            offset = (w - codes * scale[:, None]).mean(dim=1).to(grid.offset_dtype).float()
+        yield scale, offset
+
+
+def group_params(w: torch.Tensor, grid: Grid = INT4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [out], offset [out]) for one group of columns w [out, g]: the candidate with the least squared error."""
     best_err, best = None, None
-    for c in clips:
-        scale = (amax * (c / 7.5)).to(torch.bfloat16).float()
-        err = (fake_quant(w, scale[:, None]) - w).pow(2).sum(dim=1)
+    for scale, offset in _candidates(w, grid):
+        err = (fake_quant(w, scale[:, None], offset[:, None], grid) - w).pow(2).sum(dim=1)
         if best is None:
-            best_err, best = err, scale
+            best_err, best = err, (scale, offset)
         else:
             better = err < best_err
-            best_err, best = torch.where(better, err, best_err), torch.where(better, scale, best)
+            best_err = torch.where(better, err, best_err)
+            best = (torch.where(better, scale, best[0]), torch.where(better, offset, best[1]))
     return best
 
 
-def fake_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(torch.round(w / scale), QMIN, QMAX) * scale
+def fake_quant(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None, grid: Grid = INT4):
+    if offset is None:
+        return torch.clamp(torch.round(w / scale), grid.qmin, grid.qmax) * scale
+    return torch.clamp(torch.round((w - offset) / scale), grid.qmin, grid.qmax) * scale + offset
 
 
-def rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round to nearest: (dequantized weights, scales [out, in / group_size])."""
+def codes(dequantized: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The integer codes (int8) of weights on a grid, from their scales and offsets [out, in / group_size]."""
+    s, o = scales.repeat_interleave(group_size, dim=1), offsets.repeat_interleave(group_size, dim=1)
+    return torch.round((dequantized.float() - o) / s).to(torch.int8)
+
+
+def _params(w: torch.Tensor, group_size: int, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, offsets) [out, in / group_size]: every group of every row at once, as rows of [out * groups, g]."""
+    out, groups = w.shape[0], w.shape[1] // group_size
+    scale, offset = group_params(w.reshape(out * groups, group_size), grid)
+    return scale.view(out, groups), offset.view(out, groups)
+
+
+def rtn(weight: torch.Tensor, group_size: int, grid: Grid = INT4):
+    """Round to nearest: (dequantized weights, scales, offsets), the last two [out, in / group_size]."""
     w = weight.float()
-    scales = torch.stack([group_scales(w[:, g : g + group_size]) for g in range(0, w.shape[1], group_size)], dim=1)
-    return fake_quant(w, scales.repeat_interleave(group_size, dim=1)), scales
+    scales, offsets = _params(w, group_size, grid)
+    s, o = scales.repeat_interleave(group_size, dim=1), offsets.repeat_interleave(group_size, dim=1)
+    return fake_quant(w, s, o, grid), scales, offsets
 
 
-def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: float = 0.01, block: int = 128):
-    """GPTQ with act-order and static groups: (dequantized weights, scales [out, in / group_size])."""
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, grid: Grid = INT4, damp: float = 0.01,
+         block: int = 128):
+    """GPTQ with act-order and static groups: (dequantized weights, scales, offsets)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the column loop is thousands of small ops: threads only wait on each other
+    try:
+        return _gptq(weight, hessian, group_size, grid, damp, block)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gptq(weight, hessian, group_size: int, grid: Grid, damp: float, block: int):
     w = weight.float().clone()
     n = w.shape[1]
-    scales = torch.stack([group_scales(w[:, g : g + group_size]) for g in range(0, n, group_size)], dim=1)
+    scales, offsets = _params(w, group_size, grid)
     h = hessian.float().clone()
     dead = torch.diag(h) == 0  # inputs that never fire: any value is as good, keep the weights out of the way
     h[dead, dead] = 1.0
@@ -63,6 +141,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: flo
     perm = torch.argsort(torch.diag(h), descending=True)
     w, h = w[:, perm], h[perm][:, perm]
     col_scale = scales.repeat_interleave(group_size, dim=1)[:, perm]
+    col_offset = offsets.repeat_interleave(group_size, dim=1)[:, perm]
     # Upper Cholesky factor of H^-1: row i holds how column i's error should move the columns after it.
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros_like(w)
@@ -70,22 +149,28 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, damp: flo
         i2 = min(i1 + block, n)
         w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros(w.shape[0], i2 - i1), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            q[:, i1 + i] = fake_quant(w1[:, i], col_scale[:, i1 + i])
+            q[:, i1 + i] = fake_quant(w1[:, i], col_scale[:, i1 + i], col_offset[:, i1 + i], grid)
             err = (w1[:, i] - q[:, i1 + i]) / hinv1[i, i]
             w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]  # the whole block's error, onto the columns after it
-    return q[:, torch.argsort(perm)], scales
+    return q[:, torch.argsort(perm)], scales, offsets
 
 
 class _Captured(Exception):
     pass
 
 
+def uniform(grid: Grid, group_size: int) -> Plan:
+    """A plan putting every linear of the decoder layers on one grid."""
+    return lambda _name, _module: (grid, group_size)
+
+
 @torch.no_grad()
-def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], group_size: int, damp: float = 0.01):
-    """Sequential GPTQ over model.model.layers. Each linear's weight is replaced by its dequantized int4 values;
-    returns {module name: scales} for quantize.py to turn into int4 tensors. lm_head is not touched."""
+def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], plan: Plan, damp: float = 0.01):
+    """Sequential GPTQ over model.model.layers. `plan(name, linear)` gives each linear its (grid, group size), or
+    None to leave it alone. Each planned linear's weight is replaced by its dequantized values; returns
+    {module name (model.layers.i....): (grid, group size, scales, offsets)}. lm_head is not touched."""
     layers = model.model.layers
     inputs: list[tuple[tuple, dict]] = []
 
@@ -111,16 +196,31 @@ def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], group_size:
             outs.append(out[0] if isinstance(out, tuple) else out)
         return outs
 
-    scales: dict[str, torch.Tensor] = {}
+    done: dict[str, tuple] = {}
     for li, layer in enumerate(layers):
-        linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-        hessians = _hessians(linears, run_all, layer, hidden)
-        for name, m in linears.items():
-            q, s = gptq(m.weight, hessians[name], group_size, damp)
+        linears = {}
+        for n, m in layer.named_modules():
+            if isinstance(m, torch.nn.Linear) and (p := plan(f"model.layers.{li}.{n}", m)) is not None:
+                linears[n] = (m, *p)
+        hessians = _hessians({n: v[0] for n, v in linears.items()}, run_all, layer, hidden)
+        for name, (m, grid, group) in linears.items():
+            q, s, o = gptq(m.weight, hessians[name], group, grid, damp)
             m.weight.data = q.to(m.weight.dtype)
-            scales[f"model.layers.{li}.{name}"] = s
+            done[f"model.layers.{li}.{name}"] = (grid, group, s, o)
         hidden = run_all(layer, hidden)  # through the quantized layer: the next layer's inputs
-    return scales
+    return done
+
+
+def rtn_decoder_layers(model, plan: Plan) -> dict[str, tuple]:
+    """Round to nearest over model.model.layers, with gptq_decoder_layers' plan and return value."""
+    done = {}
+    for name, m in model.model.layers.named_modules():
+        full = f"model.layers.{name}"
+        if isinstance(m, torch.nn.Linear) and (p := plan(full, m)) is not None:
+            q, s, o = rtn(m.weight, p[1], p[0])
+            m.weight.data = q.to(m.weight.dtype)
+            done[full] = (p[0], p[1], s, o)
+    return done
 
 
 def _hessians(linears: dict[str, torch.nn.Module], forward, *args) -> dict[str, torch.Tensor]:

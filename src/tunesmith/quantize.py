@@ -1,10 +1,11 @@
 """Weight-only int8 / int4 through torchao, for eager inference on the machine at hand.
 
-int8: one scale per output channel. int4: one scale per group of 32 / 64 / 128 input weights. Every linear layer
-is quantized (lm_head too; a tied one is untied first) and the embedding table is stored as int8 per row.
+int8: one scale per output channel. int4: per group of 32 / 64 / 128 input weights, a scale and (the default affine
+grid) a float offset, chosen by GPTQ (gptq.py); v_proj int8 per channel unless told otherwise. Every linear layer is
+quantized (lm_head int8; a tied one is untied first) and the embedding table is stored as int8 per row.
 
 The output folder is self-describing: config.json, generation_config.json, the tokenizer, model.safetensors and
-tunesmith-quant.json (scheme, group size, layers). torchao's tensor subclasses are flattened into plain tensors plus
+tunesmith-quant.json (scheme, group size, grid, layers). torchao's tensor subclasses are flattened into plain tensors plus
 JSON metadata (its safetensors support), so nothing is pickled; torchao keeps int4 codes one per byte, so they are
 packed two per byte here and unpacked on load, which makes the file the size a 4-bit model should be.
 """
@@ -60,16 +61,25 @@ def untie_lm_head(model: torch.nn.Module) -> None:
         model.config.get_text_config().tie_word_embeddings = False
 
 
+GRIDS = ("affine", "symmetric")
+KEEP_8BIT = ("v_proj",)
+
+
 def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int = 32,
-                   calibration: Sequence[Sequence[int]] | None = None) -> dict:
+                   calibration: Sequence[Sequence[int]] | None = None, grid: str = "affine",
+                   keep_8bit: Sequence[str] = KEEP_8BIT) -> dict:
     """Quantize `model` in place (torchao tensors); returns what was done, for tunesmith-quant.json.
 
     int8: every linear (lm_head too) int8 per output channel, run by torchao's int8 weight-only kernel. int4: the
     decoder layers' linears int4 in groups, chosen by GPTQ when `calibration` (token blocks) is given, else rounded
-    to nearest; lm_head int8 per channel (4 bits there cost as much perplexity as all the layers' down_proj together).
-    Both: the embedding table int8 per row.
+    to nearest; `grid` affine adds a float offset per group (scale * code + offset, as MLX and llama.cpp's Q4_1 /
+    Q4_K store 4 bits), symmetric is XNNPACK's bare grid. Linears named in `keep_8bit` (v_proj by default, as
+    llama.cpp's Q4_K_M keeps attn_v at 6 bits) are int8 per channel, also by GPTQ. lm_head int8 per channel (4 bits
+    there cost as much perplexity as all the layers' down_proj together). Both schemes: the embedding int8 per row.
     """
     check_scheme(scheme, group_size)
+    if grid not in GRIDS:
+        raise TunesmithError(f"--grid must be one of {', '.join(GRIDS)}, got {grid!r}")
     quantize_ = import_torchao()
     from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerAxis
@@ -82,7 +92,7 @@ def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
         info.update(method="round to nearest", linear="int8 per channel")
     else:
-        info.update(_int4_layers(model, group_size, calibration), linear=f"int4 symmetric, groups of {group_size}")
+        info.update(_int4_layers(model, group_size, calibration, grid, tuple(keep_8bit)))
         head = model.get_output_embeddings()
         head.weight = torch.nn.Parameter(int8_rows(head.weight), requires_grad=False)
     info["quantized_linear_layers"] = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -91,37 +101,76 @@ def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int
     return info
 
 
-def _int4_layers(model, group_size: int, calibration) -> dict:
+def _int4_layers(model, group_size: int, calibration, grid: str, keep_8bit: tuple[str, ...]) -> dict:
     """int4 weights for every linear inside model.model.layers: GPTQ with calibration, else round to nearest."""
     from tunesmith import gptq
 
     if not (hasattr(model, "model") and hasattr(model.model, "layers")):
         raise TunesmithError("int4 needs a decoder-only model with model.model.layers (the Llama / Qwen / Mistral shape)")
+    names = {n.rsplit(".", 1)[-1] for n, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    unknown = sorted(set(keep_8bit) - names)
+    if unknown:
+        raise TunesmithError(f"--keep-8bit names {', '.join(unknown)}, which this model's layers lack; "
+                             f"they have {', '.join(sorted(names))}")
     for name, m in model.model.layers.named_modules():
-        if isinstance(m, torch.nn.Linear) and m.in_features % group_size:
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep_8bit and m.in_features % group_size:
             raise TunesmithError(f"layer {name} has {m.in_features} inputs, not a multiple of --group-size {group_size}")
+    four = gptq.INT4_AFFINE if grid == "affine" else gptq.INT4
+
+    def plan(name: str, m: torch.nn.Linear):
+        return (gptq.INT8, m.in_features) if name.rsplit(".", 1)[-1] in keep_8bit else (four, group_size)
+
     if calibration:
-        scales = gptq.gptq_decoder_layers(model, calibration, group_size)
+        done = gptq.gptq_decoder_layers(model, calibration, plan)
         method = {"method": "gptq (act-order, static groups, sequential)", "calibration_blocks": len(calibration)}
     else:
-        scales = {}
-        for name, m in model.model.layers.named_modules():
-            if isinstance(m, torch.nn.Linear):
-                q, scales[f"model.layers.{name}"] = gptq.rtn(m.weight, group_size)
-                m.weight.data = q
+        done = gptq.rtn_decoder_layers(model, plan)
         method = {"method": "round to nearest", "calibration_blocks": 0}
-    for name, s in scales.items():
+    for name, (g, group, scales, offsets) in done.items():
         m = model.get_submodule(name)
-        m.weight = torch.nn.Parameter(int4_groups(m.weight, s, group_size), requires_grad=False)
-    return method
+        sym = m.weight.float() - offsets.repeat_interleave(group, dim=1)  # scale * code: XNNPACK's part
+        m.weight = torch.nn.Parameter(intx_groups(sym, scales, group, torch.int8 if g is gptq.INT8 else torch.int4),
+                                      requires_grad=False)
+        if g.affine:
+            GroupOffsetLinear.convert(m, group, offsets)
+    kind = "affine (scale and offset per group)" if grid == "affine" else "symmetric (scale per group)"
+    return {**method, "grid": grid, "linear": f"int4 {kind}, groups of {group_size}",
+            "kept_8bit": list(keep_8bit), "affine_layers": sorted(n for n, v in done.items() if v[0].affine)}
 
 
-def int4_groups(dequantized: torch.Tensor, scales: torch.Tensor, group_size: int):
-    """A torchao int4 tensor from weights already on the grid (gptq.py) and their scales [out, in / group_size]."""
+class GroupOffsetLinear(torch.nn.Linear):
+    """A linear whose weight is scale * code (a torchao int tensor) plus a float offset per group of inputs.
+
+    y = x W_sym^T + (group sums of x) offset^T: the offset part is two small float products (x times a fixed 0/1
+    matrix [groups, in], then times offset [out, groups]), which XNNPACK runs too, so a .pte keeps the affine grid
+    with its symmetric int4 kernels. Costs groups / in (1/32) more multiply-adds than the layer, in float.
+    """
+
+    group_size: int
+
+    @classmethod
+    def convert(cls, m: torch.nn.Linear, group_size: int, offsets: torch.Tensor) -> None:
+        m.__class__ = cls
+        m.group_size = group_size
+        groups = m.in_features // group_size
+        # float16 on disk as in Q4_1 / MLX; its rounding (2^-11 of the offset) is a few thousandths of a step.
+        m.register_buffer("group_offset", offsets.half().reshape(m.out_features, groups).contiguous())
+        onehot = torch.zeros(groups, m.in_features)
+        onehot[torch.arange(m.in_features) // group_size, torch.arange(m.in_features)] = 1.0
+        m.register_buffer("group_sum", onehot, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sums = torch.nn.functional.linear(x, self.group_sum.to(x.dtype))
+        return super().forward(x) + torch.nn.functional.linear(sums, self.group_offset.to(x.dtype))
+
+
+def intx_groups(on_grid: torch.Tensor, scales: torch.Tensor, group_size: int, dtype=torch.int4):
+    """A torchao int tensor (codes + scales, no zero point) from weights already on the grid (gptq.py) and their
+    scales [out, in / group_size]."""
     from torchao.quantization import IntxUnpackedToInt8Tensor
 
     return IntxUnpackedToInt8Tensor.from_hp(
-        dequantized.float(), (1, group_size), torch.int4, intx_choose_qparams_algorithm=None,
+        on_grid.float(), (1, group_size), dtype, intx_choose_qparams_algorithm=None,
         custom_scale=scales.float(), custom_zero_point=torch.zeros_like(scales, dtype=torch.int8),
     )
 
@@ -177,7 +226,8 @@ def save_quantized(model, tokenizer, output: str | Path, info: dict) -> Path:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        body = {"format": FORMAT, **info, "packed_int4": packed}
+        affine = sorted(n for n, m in model.named_modules() if isinstance(m, GroupOffsetLinear))
+        body = {"format": FORMAT, **info, "packed_int4": packed, "affine_layers": affine}
         (tmp / QUANT_FILE).write_text(json.dumps(body, indent=2))
         if out.exists():
             shutil.rmtree(out)
@@ -222,6 +272,12 @@ def load_quantized(folder: str | Path, device: torch.device | str = "cpu"):
         tensors[key] = unpack_int4(tensors[key])
     state, leftover = unflatten_tensor_state_dict(tensors, metadata)
     model = _empty_model(AutoConfig.from_pretrained(folder))
+    for name in info.get("affine_layers", []):  # their offsets are in the state dict
+        m = model.get_submodule(name)
+        offsets = state.get(f"{name}.group_offset")
+        if not isinstance(m, torch.nn.Linear) or offsets is None:
+            raise TunesmithError(f"{weights} lacks the group offsets of {name}; re-run tunesmith quantize")
+        GroupOffsetLinear.convert(m, m.in_features // offsets.shape[1], offsets)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     problems = [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in [*unexpected, *leftover]]
     if problems:
@@ -318,7 +374,8 @@ def quantize(cfg) -> QuantizeResult:
     calibration = calibration_blocks(data.train, cfg.calibration_blocks) if data and cfg.scheme == "int4" else None
     before = measure(model, tokenizer, examples, float_bytes, cfg.max_tokens)
     t = time.perf_counter()
-    info = quantize_model(model, cfg.scheme, cfg.group_size, calibration)
+    keep = tuple(k for k in cfg.keep_8bit.split(",") if k)
+    info = quantize_model(model, cfg.scheme, cfg.group_size, calibration, cfg.grid, keep)
     info.update(source=str(cfg.model), adapter=str(cfg.adapter) if cfg.adapter else None,
                 seconds=round(time.perf_counter() - t, 1))
     out = save_quantized(model, tokenizer, cfg.output, info)

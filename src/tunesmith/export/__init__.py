@@ -5,8 +5,10 @@ The contract every format module keeps:
     export(model_dir: Path, output: Path, quant: str, group_size: int, max_seq_len: int) -> Path
 
 `model_dir` is a plain HF folder (safetensors + config + tokenizer); the module checks its own `quant` values,
-writes what the target runtime needs and returns the path of the artifact. This entry point resolves the model
-(merging an adapter on the fly into a temporary folder) and picks the module.
+writes what the target runtime needs and returns the path of the artifact. A module whose weights can be chosen
+from data also has `calibrated(quant) -> bool`; for those quants (and --calibration-blocks > 0) its export gets
+`calibration=`, token blocks from the training split of --data. This entry point resolves the model (merging an
+adapter on the fly into a temporary folder), loads that data and picks the module.
 """
 
 from __future__ import annotations
@@ -72,6 +74,26 @@ def export(cfg) -> Path:
         raise TunesmithError("export needs --output, the file or folder to write (e.g. ship/model.pte)")
     if cfg.max_seq_len < 2:
         raise TunesmithError(f"--max-seq-len must be at least 2, got {cfg.max_seq_len}")
+    if cfg.calibration_blocks < 0:
+        raise TunesmithError(f"--calibration-blocks must be 0 (round to nearest) or more, got {cfg.calibration_blocks}")
     module = format_module(cfg.format)
+    calibrates = getattr(module, "calibrated", None)
     with model_folder(cfg.model, cfg.adapter) as model_dir:
-        return module.export(model_dir, Path(cfg.output), cfg.quant, cfg.group_size, cfg.max_seq_len)
+        kw = {}
+        if cfg.calibration_blocks and calibrates is not None and calibrates(cfg.quant):
+            kw["calibration"] = calibration(model_dir, cfg)
+        return module.export(model_dir, Path(cfg.output), cfg.quant, cfg.group_size, cfg.max_seq_len, **kw)
+
+
+def calibration(model_dir: Path, cfg) -> list[list[int]]:
+    """--calibration-blocks token blocks spread over the training split of --data, tokenized as the model does."""
+    from tunesmith.data import load_data
+    from tunesmith.models import load_tokenizer
+    from tunesmith.quantize import calibration_blocks
+
+    data = load_data(cfg.data, load_tokenizer(str(model_dir)), cfg.seq_len, cfg.val_fraction)
+    blocks = calibration_blocks(data.train, cfg.calibration_blocks)
+    if not blocks:
+        raise TunesmithError(f"{cfg.data} has no training blocks to calibrate on; give more data, or "
+                             "--calibration-blocks 0 to round to nearest")
+    return blocks

@@ -7,7 +7,9 @@ lives in the program as mutable buffers (zero at load), so a caller only keeps t
 Weights: fp32; 8w (int8 per output channel); 8da4w (int4 in groups of --group-size, lm_head int8). XNNPACK
 computes quantized linears with int8 dynamically quantized activations, so 8w runs as 8da8w; the embedding table of
 a quantized program is int8 per row. For 8da4w, export a `tunesmith quantize --scheme int4` folder: its GPTQ
-weights are kept as they are (from a float folder they are rounded to nearest, which costs more perplexity).
+weights are kept as they are (from a float folder they are rounded to nearest, which costs more perplexity). An
+affine int4 layer (quantize.GroupOffsetLinear) runs as XNNPACK's symmetric int4 kernel plus its group offsets as two
+small float products, all inside the delegate; its int8 (--keep-8bit) layers run as 8da8w.
 Weight-only int4 with float activations (4w) has no XNNPACK kernel in ExecuTorch 1.5: the module refuses it and
 names the alternatives.
 

@@ -2,7 +2,9 @@
 
 Supported: the Llama family (model_type "llama": SmolLM, SmolLM2, Llama 3.0 and other models with default or
 linear rope) with a byte-level BPE tokenizer ("gpt2" in GGUF terms). Tensor names come from the gguf package's own
-HF -> GGUF map and the q8_0 / q4_x blocks from its reference quantizers, so the file is what llama.cpp's
+HF -> GGUF map. With calibration token blocks, q8_0 / q4_0 / q4_0_mixed choose the decoder layers' weights by GPTQ
+on llama.cpp's own block grids (gptq.Q8_0 / gptq.Q4_0) and write those codes and fp16 scales as ggml blocks; without,
+every q block comes from the gguf package's reference quantizers (round to nearest), so the file is what llama.cpp's
 convert_hf_to_gguf.py + llama-quantize would write for the same weights, but for the 4-bit types' output head
 (q8_0 here, q6_K there). Anything else is a TunesmithError that says what is unsupported.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +23,13 @@ from tunesmith.errors import TunesmithError
 QUANTS = ("f32", "f16", "q8_0", "q4_1", "q4_0", "q4_0_mixed")
 ALIASES = {"fp32": "f32", "fp16": "f16"}  # the export verb's precision names
 BLOCK = 32  # q8_0 and q4_0 blocks are fixed at 32 weights; --group-size cannot change that
+METHOD_KEY = "tunesmith.quantization"  # how the q blocks were chosen: "round to nearest" or "gptq ..."
 SUPPORTED_MODEL_TYPES = {"llama": "llama"}  # HF model_type -> GGUF general.architecture
 # q4_0_mixed: q4_0 except these (in every block) and the whole last block, kept at q8_0. On SmolLM2-135M they carry
 # most of q4_0's perplexity loss (docs/EXPORT.md), the same matrices llama.cpp's Q4_K_M gives more bits.
 MIXED_Q8 = ("attn_v", "ffn_down")
+# The types whose decoder weights GPTQ can choose from calibration data (q4_1 is affine: rounded to nearest).
+CALIBRATED = ("q8_0", "q4_0", "q4_0_mixed")
 
 # llama.cpp picks its pre-tokenizer regex by name; these are the byte-level BPE layouts we can recognise exactly.
 LLAMA3_SPLIT = (
@@ -44,17 +50,34 @@ def check_quant(quant: str, group_size: int | None = BLOCK) -> str:
     return name
 
 
-def export(model_dir: Path, output: Path, quant: str, group_size: int | None, max_seq_len: int) -> Path:
+def calibrated(quant: str) -> bool:
+    """Whether `quant` chooses its decoder weights from calibration data (export's `calibration`)."""
+    return ALIASES.get(quant, quant) in CALIBRATED
+
+
+def export(
+    model_dir: Path,
+    output: Path,
+    quant: str,
+    group_size: int | None,
+    max_seq_len: int,
+    calibration: Sequence[Sequence[int]] | None = None,
+) -> Path:
     """Write `model_dir` (a plain HF folder) as one GGUF file; returns its path.
 
     `output` is the .gguf file, or a folder that receives model-<quant>.gguf. `max_seq_len` is not used: the
-    file records the model's own context length, and llama.cpp picks the runtime context (-c).
+    file records the model's own context length, and llama.cpp picks the runtime context (-c). `calibration`
+    (token blocks): q8_0 / q4_0 / q4_0_mixed decoder weights by GPTQ on them; None or empty: round to nearest.
     """
     import gguf
 
     qname = check_quant(quant, group_size)
     model_dir = Path(model_dir)
     config = _llama_config(model_dir)
+    chosen, method = {}, "round to nearest"
+    if calibration and qname in CALIBRATED:
+        chosen = gptq_blocks(model_dir, config, qname, calibration)
+        method = f"gptq (act-order, static groups, sequential), {len(calibration)} calibration blocks"
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
@@ -63,8 +86,10 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
     )  # spools to disk
     try:
         _add_hparams(writer, config, qname, path.stem)
+        if qname.startswith("q"):
+            writer.add_string(METHOD_KEY, method)
         _add_tokenizer(writer, model_dir, config.vocab_size)
-        for name, data, qtype in _tensors(model_dir, config, qname):
+        for name, data, qtype in _tensors(model_dir, config, qname, chosen):
             writer.add_tensor(name, data, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -181,8 +206,10 @@ def _tensor_type(name: str, data: np.ndarray, qname: str, n_layers: int):
     return T.Q4_0
 
 
-def _tensors(model_dir: Path, config, qname: str):
-    """(GGUF name, data, GGML type) for every weight, in file order, quantized where the file type says so."""
+def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | None = None):
+    """(GGUF name, data, GGML type) for every weight, in file order, quantized where the file type says so.
+
+    `chosen` (gptq_blocks): HF weight name -> (GGML type, codes, scales) written as they are, the rest rounded."""
     import gguf
     from safetensors import safe_open
 
@@ -201,11 +228,18 @@ def _tensors(model_dir: Path, config, qname: str):
                 name = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if name is None:
                     raise TunesmithError(f"GGUF export: no llama.cpp tensor for '{key}' in {file.name}")
+                heads = (
+                    n_head if key.endswith("q_proj.weight") else n_kv if key.endswith("k_proj.weight") else 0
+                )
+                if key in (chosen or {}):
+                    qtype, codes, scales = chosen[key]
+                    if heads:  # the scales' rows move with their weights' rows
+                        codes, scales = _permute(codes, heads), _permute(scales, heads)
+                    yield name, pack_blocks(codes, scales, qtype), qtype
+                    continue
                 data = f.get_tensor(key).float().numpy()
-                if key.endswith("q_proj.weight"):
-                    data = _permute(data, n_head)
-                elif key.endswith("k_proj.weight"):
-                    data = _permute(data, n_kv)
+                if heads:
+                    data = _permute(data, heads)
                 qtype = _tensor_type(name, data, qname, config.num_hidden_layers)
                 try:
                     yield name, gguf.quants.quantize(data, qtype), qtype
@@ -213,6 +247,69 @@ def _tensors(model_dir: Path, config, qname: str):
                     gguf.quants.QuantError
                 ):  # rows not a multiple of 32 (only in odd tiny models): keep f16
                     yield name, data.astype(np.float16), gguf.GGMLQuantizationType.F16
+
+
+# ------------------------------------------------------------------------------------------------ GPTQ
+
+
+def gptq_blocks(
+    model_dir: Path, config, qname: str, calibration: Sequence[Sequence[int]]
+) -> dict[str, tuple]:
+    """GPTQ over the decoder layers on the grid each matrix gets in a `qname` file (q4_0_mixed: Q8_0 for MIXED_Q8
+    and the last block, Q4_0 for the rest): HF weight name -> (GGML type, int8 codes, fp16 scales [out, in / 32]).
+    The embedding / output head is not in the decoder layers and stays rounded to nearest."""
+    import gguf
+    import torch
+
+    from tunesmith import gptq
+    from tunesmith.models import load_model
+
+    T = gguf.GGMLQuantizationType
+    grids = {T.Q8_0: gptq.Q8_0, T.Q4_0: gptq.Q4_0}
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+
+    def plan(module: str, linear: torch.nn.Linear):
+        if linear.in_features % BLOCK:
+            return None  # written as f16, as the rounding path does
+        qtype = _tensor_type(
+            names.get_name(f"{module}.weight", try_suffixes=(".weight",)),
+            linear.weight,
+            qname,
+            config.num_hidden_layers,
+        )
+        return grids[qtype], BLOCK
+
+    model, _ = load_model(str(model_dir), "cpu", torch.float32)
+    done = gptq.gptq_decoder_layers(model, calibration, plan)
+    chosen = {}
+    for module, (grid, group, scales, offsets) in done.items():
+        deq = model.get_submodule(module).weight.detach()
+        qtype = next(t for t, g in grids.items() if g is grid)
+        chosen[f"{module}.weight"] = (
+            qtype,
+            gptq.codes(deq, scales, offsets, group).numpy(),
+            scales.numpy().astype(np.float16),
+        )
+    return chosen
+
+
+def pack_blocks(codes: np.ndarray, scales: np.ndarray, qtype) -> np.ndarray:
+    """ggml Q8_0 / Q4_0 blocks (uint8 [out, in / 32 * block bytes]) from int8 codes [out, in] and fp16 scales
+    [out, in / 32]: each block is its fp16 scale d, then Q8_0's 32 int8 codes or Q4_0's 16 bytes, byte j holding
+    codes j and j + 16 as nibbles (code + 8). gguf.quants.dequantize of the result is exactly scale * code."""
+    import gguf
+
+    out, n = codes.shape
+    d = scales.astype("<f2").reshape(out, n // BLOCK, 1).view(np.uint8)
+    q = codes.astype(np.int8).reshape(out, n // BLOCK, BLOCK)
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        qs = q.view(np.uint8)
+    elif qtype == gguf.GGMLQuantizationType.Q4_0:
+        u = (q.astype(np.int16) + 8).astype(np.uint8)
+        qs = u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << 4)
+    else:
+        raise ValueError(f"no block packing for {qtype!r}")
+    return np.concatenate([d, qs], axis=-1).reshape(out, -1)
 
 
 # -------------------------------------------------------------------------------------------- the tokenizer
