@@ -48,11 +48,12 @@ def make_tokenizer():
     return fast
 
 
-def make_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64):
+def make_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, **config_overrides):
+    """A tiny random Llama for `tokenizer`; `config_overrides` go to LlamaConfig (tie_word_embeddings, rope_theta...)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -66,7 +67,7 @@ def make_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64):
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(LlamaConfig(**{**settings, **config_overrides})).eval()
 
 
 @pytest.fixture(scope="session")

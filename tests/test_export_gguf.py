@@ -6,14 +6,14 @@ import shutil
 import gguf
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from tunesmith import gptq
 from tunesmith.cli import main
 from tunesmith.errors import TunesmithError
 from tunesmith.export import gguf as G
 
-from .conftest import CORPUS
+from .conftest import CORPUS, make_model
 
 TEXT = "ROMEO:\nBut soft, what light 2024 <|im_end|> wherefore"
 
@@ -21,22 +21,9 @@ TEXT = "ROMEO:\nBut soft, what light 2024 <|im_end|> wherefore"
 @pytest.fixture(scope="module")
 def tied_dir(tmp_path_factory, tokenizer):
     """Tied embeddings (as SmolLM2), 8 more embedding rows than tokens (llama.cpp gets [PAD] tokens for them)."""
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer) + 8,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    model = make_model(tokenizer, seed=1, vocab_size=len(tokenizer) + 8, tie_word_embeddings=True)
     path = tmp_path_factory.mktemp("tied-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

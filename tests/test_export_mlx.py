@@ -6,8 +6,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import make_model
 from tunesmith.errors import TunesmithError
 from tunesmith.export import mlx as M
 from tunesmith.lora import attach_lora
@@ -44,23 +45,9 @@ def _torch_logits(model, ids):
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory, tokenizer):
     """Shaped like SmolLM2: tied embeddings and rope theta 100000 (which transformers 5 saves as rope_parameters)."""
-    torch.manual_seed(2)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        rope_theta=100000.0,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    model = make_model(tokenizer, seed=2, tie_word_embeddings=True, rope_theta=100000.0)
     path = tmp_path_factory.mktemp("smol-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     assert "rope_theta" not in json.loads((path / "config.json").read_text())  # only inside rope_parameters
     return path
