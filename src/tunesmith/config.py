@@ -173,7 +173,9 @@ class DemoConfig(TrainConfig):
     eval_every: int = opt(0, "evaluate every N steps during training (0: only at the end)")
     sample_tokens: int = opt(60, "tokens per before/after sample")
     sample_temperature: float = opt(0.7, "temperature of the before/after samples")
-    ship: bool = opt(True, "finish by exporting a 4-bit .pte and printing the quality ladder (needs tunesmith[ship])")
+    ship: bool = opt(
+        False, "finish by exporting a 4-bit .pte and printing the quality ladder (needs tunesmith[ship]; minutes on a CPU)"
+    )
 
 
 @dataclass
