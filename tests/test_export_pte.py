@@ -223,6 +223,23 @@ def test_quantized_pte_matches_its_torchao_reference(folders, int4_folder, train
     assert meta["weights"].startswith("tunesmith quantize: gptq" if quant == "8da4w" else "float weights")
 
 
+def test_affine_int4_program_runs_every_product_inside_xnnpack(int4_folder):
+    """The group offsets must reach XNNPACK as constant weights: a cast or a matmul left outside the delegate
+    splits the graph once per layer (and cost a third of the 4-bit decode speed when it happened)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    wrapper, _, _ = load_wrapper(int4_folder, MAX_SEQ, "8da4w")
+    quantize_for_xnnpack(wrapper, "8da4w", 32)
+    seq = torch.export.Dim("seq", min=1, max=MAX_SEQ)
+    program = torch.export.export(wrapper, (torch.zeros(1, 2, dtype=torch.long), torch.arange(2)),
+                                  dynamic_shapes=({1: seq}, {0: seq}), strict=False)
+    graph = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).exported_program().graph
+    outside = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert not [t for t in outside if any(op in t for op in ("aten.mm", "aten.addmm", "aten.linear", "aten.bmm"))]
+    assert sum("executorch_call_delegate" in t for t in outside) <= 6  # as the fp32 program of this model
+
+
 def test_a_quantized_folder_exports_only_as_what_it_holds(int4_folder):
     with pytest.raises(TunesmithError, match="--quant 8da4w --group-size 32"):
         load_wrapper(int4_folder, MAX_SEQ, "8w")

@@ -153,15 +153,16 @@ class GroupOffsetLinear(torch.nn.Linear):
         m.__class__ = cls
         m.group_size = group_size
         groups = m.in_features // group_size
-        # float16 on disk as in Q4_1 / MLX; its rounding (2^-11 of the offset) is a few thousandths of a step.
-        m.register_buffer("group_offset", offsets.half().reshape(m.out_features, groups).contiguous())
+        # Held in float32, so a .pte gets it as a constant weight XNNPACK runs (a cast at run time would leave the
+        # product outside the delegate); the values are float16 (gptq.Grid.offset_dtype), as the file stores them.
+        m.register_buffer("group_offset", offsets.float().reshape(m.out_features, groups).contiguous())
         onehot = torch.zeros(groups, m.in_features)
         onehot[torch.arange(m.in_features) // group_size, torch.arange(m.in_features)] = 1.0
         m.register_buffer("group_sum", onehot, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sums = torch.nn.functional.linear(x, self.group_sum.to(x.dtype))
-        return super().forward(x) + torch.nn.functional.linear(sums, self.group_offset.to(x.dtype))
+        sums = torch.nn.functional.linear(x, self.group_sum)
+        return super().forward(x) + torch.nn.functional.linear(sums, self.group_offset)
 
 
 def intx_groups(on_grid: torch.Tensor, scales: torch.Tensor, group_size: int, dtype=torch.int4):
@@ -213,6 +214,8 @@ def save_quantized(model, tokenizer, output: str | Path, info: dict) -> Path:
     state = {k: v for k, v in model.state_dict().items()}
     tensors, metadata = flatten_tensor_state_dict(state)
     packed = []
+    for name in [k for k in tensors if k.endswith(".group_offset")]:
+        tensors[name] = tensors[name].half()  # float16 values already (GroupOffsetLinear): half the bytes
     for name in json.loads(metadata["tensor_names"]):
         if _is_int4(metadata[name]):
             key = f"{name.rsplit('.', 1)[0]}._{name.rsplit('.', 1)[1]}_qdata"
@@ -278,6 +281,7 @@ def load_quantized(folder: str | Path, device: torch.device | str = "cpu"):
         if not isinstance(m, torch.nn.Linear) or offsets is None:
             raise TunesmithError(f"{weights} lacks the group offsets of {name}; re-run tunesmith quantize")
         GroupOffsetLinear.convert(m, m.in_features // offsets.shape[1], offsets)
+        state[f"{name}.group_offset"] = m.group_offset
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     problems = [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in [*unexpected, *leftover]]
     if problems:
