@@ -129,7 +129,7 @@ def run_case(case: Case, device: str) -> dict:
         gradient_checkpointing=case.gradient_checkpointing, output=out, seed=0,
     )
     t0 = time.perf_counter()
-    result = train(cfg, model=model, data=data, progress=False, report=False)
+    result = train(cfg, model=model, data=data, progress=False)
     seconds = time.perf_counter() - t0
     fit = json.loads((Path(out) / "fit.json").read_text())
     if device == "cpu":
@@ -169,7 +169,7 @@ def oom_demo(limit_gib: float) -> dict:
     planned = plan_run(dataclasses.replace(cfg, batch_size="auto"), torch.device("cuda"), "bf16", model.config,
                        memory_gib=limit_gib).setup.batch_size
     r = train(cfg, model=model, data=TokenData(train=[(x, x) for x in rows], valid=[], source="random"),
-              progress=False, report=False)
+              progress=False)
     events = [json.loads(ln) for ln in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return {"limit_gib": limit_gib, "start_batch": 16, "oom_events": [e for e in events if e["kind"] == "oom"],
             "final_batch": r.batch_size, "final_grad_accum": r.grad_accum, "steps": r.steps, "losses": r.losses,

@@ -224,11 +224,18 @@ def test_changed_settings_are_refused_or_warned_and_then_apply(tmp_path, tiny_di
     assert lrs[2] == 5e-3 * Schedule(4, 1)(2)  # the new --lr takes effect from the checkpoint on
 
 
-def test_a_fresh_run_replaces_an_earlier_runs_checkpoints_at_its_first_save(tmp_path, tiny_dir, text_file, capsys):
-    _train(tmp_path, tiny_dir, text_file, max_steps=6, checkpoint_every=3, keep=0)
-    r = _train(tmp_path, tiny_dir, text_file, max_steps=4, checkpoint_every=2, keep=0, progress=True)
-    assert "holds checkpoints of an earlier run (newest: step-000006)" in capsys.readouterr().err
+def test_overwrite_replaces_an_earlier_runs_checkpoints_and_without_it_nothing_is_touched(tmp_path, tiny_dir,
+                                                                                          text_file, capsys):
+    first = _train(tmp_path, tiny_dir, text_file, max_steps=6, checkpoint_every=3, keep=0)
+    before = {p.relative_to(first.run_dir): p.read_bytes() for p in first.run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(TunesmithError, match=r"already holds a run \(an adapter, checkpoints up to step-000006, "
+                                             r"metrics.jsonl\); add --resume to continue it, --overwrite to replace"):
+        _train(tmp_path, tiny_dir, text_file, max_steps=4, checkpoint_every=2, keep=0)
+    assert {p.relative_to(first.run_dir): p.read_bytes() for p in first.run_dir.rglob("*") if p.is_file()} == before
+    r = _train(tmp_path, tiny_dir, text_file, max_steps=4, checkpoint_every=2, keep=0, overwrite=True, progress=True)
+    assert "--overwrite: replacing the run in" in capsys.readouterr().err
     assert sorted(p.name for p in (r.run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert [row["step"] for row in _rows(r.run_dir, "train")] == [1, 2, 3, 4]
 
 
 def test_safetensors_that_are_truncated_or_bit_flipped_are_named_errors(tmp_path):

@@ -174,7 +174,7 @@ def test_trainer_sets_the_fallback_before_its_first_mps_op_and_says_so(monkeypat
     monkeypatch.setattr(T, "resolve_device", lambda name: MPS)
     monkeypatch.setattr(T, "resolve_precision", first_mps_op)
     with pytest.raises(Stop):
-        T.train(TrainConfig(output=str(tmp_path)), progress=True, report=False)
+        T.train(TrainConfig(output=str(tmp_path)), progress=True)
     assert seen == ["1"]
     assert "PYTORCH_ENABLE_MPS_FALLBACK=1" in capsys.readouterr().err
 

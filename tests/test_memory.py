@@ -177,7 +177,7 @@ def test_train_writes_fit_json_and_auto_batch_runs(tmp_path, tiny_dir, text_file
     from tunesmith.train import train
 
     cfg = tiny_train_config(tmp_path, tiny_dir, text_file, batch_size="auto", max_steps=1)
-    r = train(cfg, model=make_model(tokenizer), tokenizer=tokenizer, progress=False, report=False)
+    r = train(cfg, model=make_model(tokenizer), tokenizer=tokenizer, progress=False)
     fit = json.loads((tmp_path / "run" / "fit.json").read_text())
     assert {"predicted_peak_bytes", "parts", "device_total_bytes", "device_available_bytes"} <= set(fit)
     assert fit["predicted_peak_bytes"] == sum(fit["parts"].values())

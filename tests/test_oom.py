@@ -12,30 +12,30 @@ import json
 import pytest
 import torch
 
-import tunesmith.train as T
 from tests.conftest import make_model, tiny_train_config
 from tunesmith.errors import TunesmithError
+from tunesmith.evaluate import loss_sum
+from tunesmith.train import train
 
 OOM_AT_STEP = 3
 
 
-def _run(tmp_path, tiny_dir, text_file, tokenizer, name, **kw):
+def _run(tmp_path, tiny_dir, text_file, tokenizer, name, loss=None, **kw):
     cfg = tiny_train_config(tmp_path / name, tiny_dir, text_file, lora_dropout=0.0, max_steps=6, **kw)
-    return T.train(cfg, model=make_model(tokenizer), tokenizer=tokenizer, progress=False, report=False)
+    return train(cfg, model=make_model(tokenizer), tokenizer=tokenizer, loss=loss, progress=False)
 
 
-def _fail_at(monkeypatch, call: int, exc: BaseException, times: int = 1):
-    """Make the call-th loss_sum (1-based) and the next times-1 calls raise `exc`."""
-    real, calls = T.loss_sum, {"n": 0}
+class FailAt:
+    """A training loss (evaluate.loss_sum) whose call-th call (1-based) and the next times-1 calls raise `exc`."""
 
-    def flaky(model, batch):
-        calls["n"] += 1
-        if call <= calls["n"] < call + times:
-            raise exc
-        return real(model, batch)
+    def __init__(self, call: int, exc: BaseException, times: int = 1):
+        self.call, self.exc, self.times, self.n = call, exc, times, 0
 
-    monkeypatch.setattr(T, "loss_sum", flaky)
-    return calls
+    def __call__(self, model, batch):
+        self.n += 1
+        if self.call <= self.n < self.call + self.times:
+            raise self.exc
+        return loss_sum(model, batch)
 
 
 @pytest.mark.parametrize("exc", [
@@ -44,13 +44,11 @@ def _fail_at(monkeypatch, call: int, exc: BaseException, times: int = 1):
                  "9.07 GB). Tried to allocate 80.00 MB on private pool."),
     RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1073741824 bytes."),
 ], ids=["cuda", "mps", "cpu"])
-def test_oom_at_step_k_continues_like_a_run_at_half_the_micro_batch(
-    monkeypatch, tmp_path, tiny_dir, text_file, tokenizer, exc
-):
+def test_oom_at_step_k_continues_like_a_run_at_half_the_micro_batch(tmp_path, tiny_dir, text_file, tokenizer, exc):
     reference = _run(tmp_path, tiny_dir, text_file, tokenizer, "small", batch_size=2, grad_accum=2)
     # batch 4 x accum 1: call k is the first micro-batch of step k
-    _fail_at(monkeypatch, OOM_AT_STEP, exc)
-    recovered = _run(tmp_path, tiny_dir, text_file, tokenizer, "big", batch_size=4, grad_accum=1)
+    recovered = _run(tmp_path, tiny_dir, text_file, tokenizer, "big", FailAt(OOM_AT_STEP, exc), batch_size=4,
+                     grad_accum=1)
 
     assert (recovered.batch_size, recovered.grad_accum) == (2, 2)
     assert recovered.steps == reference.steps == 6
@@ -61,23 +59,23 @@ def test_oom_at_step_k_continues_like_a_run_at_half_the_micro_batch(
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
 
 
-def test_repeated_oom_halves_again(monkeypatch, tmp_path, tiny_dir, text_file, tokenizer):
+def test_repeated_oom_halves_again(tmp_path, tiny_dir, text_file, tokenizer):
     reference = _run(tmp_path, tiny_dir, text_file, tokenizer, "one", batch_size=1, grad_accum=4)
     # step 3 at batch 4 is call 3; at batch 2 its first micro-batch (call 4) fails too
-    _fail_at(monkeypatch, OOM_AT_STEP, torch.OutOfMemoryError("CUDA out of memory"), times=2)
-    recovered = _run(tmp_path, tiny_dir, text_file, tokenizer, "four", batch_size=4)
+    fails = FailAt(OOM_AT_STEP, torch.OutOfMemoryError("CUDA out of memory"), times=2)
+    recovered = _run(tmp_path, tiny_dir, text_file, tokenizer, "four", fails, batch_size=4)
     assert (recovered.batch_size, recovered.grad_accum) == (1, 4)
     assert recovered.losses == pytest.approx(reference.losses, abs=1e-6)
 
 
-def test_oom_at_micro_batch_1_gives_up_clearly(monkeypatch, tmp_path, tiny_dir, text_file, tokenizer):
-    _fail_at(monkeypatch, 2, torch.OutOfMemoryError("CUDA out of memory"), times=100)
+def test_oom_at_micro_batch_1_gives_up_clearly(tmp_path, tiny_dir, text_file, tokenizer):
+    fails = FailAt(2, torch.OutOfMemoryError("CUDA out of memory"), times=100)
     with pytest.raises(TunesmithError, match=r"out of memory at step 2 even at micro-batch 1 with --seq-len 32"):
-        _run(tmp_path, tiny_dir, text_file, tokenizer, "hopeless", batch_size=2)
+        _run(tmp_path, tiny_dir, text_file, tokenizer, "hopeless", fails, batch_size=2)
 
 
-def test_other_errors_are_not_retried(monkeypatch, tmp_path, tiny_dir, text_file, tokenizer):
-    calls = _fail_at(monkeypatch, 2, RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+def test_other_errors_are_not_retried(tmp_path, tiny_dir, text_file, tokenizer):
+    fails = FailAt(2, RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     with pytest.raises(RuntimeError, match="mat1 and mat2"):
-        _run(tmp_path, tiny_dir, text_file, tokenizer, "bug", batch_size=2)
-    assert calls["n"] == 2
+        _run(tmp_path, tiny_dir, text_file, tokenizer, "bug", fails, batch_size=2)
+    assert fails.n == 2

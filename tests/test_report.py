@@ -214,15 +214,25 @@ def test_cli_report_takes_the_run_folder_as_a_positional(tmp_path, capsys):
     assert "tunesmith report: error: run folder not found" in capsys.readouterr().err
 
 
-def test_train_writes_the_report_for_its_run(tmp_path, tiny_dir, text_file, capsys):
+def test_the_train_verb_writes_the_report_and_the_library_leaves_it_to_its_caller(tmp_path, tiny_dir, text_file,
+                                                                                   capsys):
     from tunesmith.train import train
 
-    result = train(tiny_train_config(tmp_path, tiny_dir, text_file), progress=False)
-    page = Page((result.run_dir / "report.html").read_text(encoding="utf-8"))
-    assert page.metrics["steps"] == str(result.steps)
-    assert page.metrics["train_loss_last"] == f"{result.losses[-1]:.4f}"
-    assert page.metrics["val_loss"] == f"{result.evals[-1][1].loss:.4f}"
-    assert capsys.readouterr().out == ""  # progress=False keeps the summary quiet too
+    result = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "lib")), progress=False)
+    assert result.steps == 5 and not (result.run_dir / "report.html").exists()
+    assert capsys.readouterr().out == ""
+
+    run = tmp_path / "cli"
+    assert main(["train", "--model", str(tiny_dir), "--data", str(text_file), "--output", str(run), "--device", "cpu",
+                 "--seq-len", "32", "--batch-size", "2", "--max-steps", "5", "--lr", "1e-2", "--warmup-steps", "1",
+                 "--eval-every", "0"]) == 0
+    train_rows, evals = metrics_of(run)
+    page = Page((run / "report.html").read_text(encoding="utf-8"))
+    assert page.metrics["steps"] == "5"
+    assert page.metrics["train_loss_last"] == f"{train_rows[-1]['loss']:.4f}"
+    assert page.metrics["val_loss"] == f"{evals[-1]['val_loss']:.4f}"
+    out = capsys.readouterr().out
+    assert f"run report: {run / 'report.html'}" in out and "trained 5 steps" in out
 
 
 MARKER = (255, 0, 255)

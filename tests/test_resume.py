@@ -51,9 +51,9 @@ def _fork(argv: list[str], log: Path, *, signal_at: int = 0, pause_at: int = 0, 
         import torch
 
         torch.set_num_threads(1)
-        import tunesmith.train
+        import tunesmith.report
 
-        tunesmith.train.write_report = lambda *a, **k: None  # matplotlib plots: seconds per run, not under test
+        tunesmith.report.write_report = lambda *a, **k: None  # matplotlib plots: seconds per run, not under test
         if signal_at:
             _signal_at_forward(signal_at)
         if pause_at:

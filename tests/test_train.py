@@ -3,9 +3,10 @@ import json
 import pytest
 import torch
 
+from tunesmith.cli import main
 from tunesmith.data import load_data
 from tunesmith.errors import TunesmithError
-from tunesmith.train import Schedule, train
+from tunesmith.train import RunLog, Schedule, StepRecord, budget_horizon, train
 
 from .conftest import make_model, tiny_train_config
 
@@ -71,3 +72,148 @@ def test_schedule_warms_up_then_decays_to_a_tenth():
 def test_bad_settings_are_clear_errors(tmp_path, tiny_dir, text_file, tokenizer, kw, msg):
     with pytest.raises(TunesmithError, match=msg):
         _run(tmp_path, tiny_dir, text_file, tokenizer, **kw)
+
+
+# ---- what can be passed in: the loss and a per-step callback ---------------------------------------------------
+
+
+def test_an_injected_loss_is_what_trains_and_the_callback_sees_every_step(tmp_path, tiny_dir, text_file, tokenizer):
+    from tunesmith.evaluate import loss_sum
+
+    calls = []
+
+    def counted(model, batch):  # loss_sum, counted: the default, so the run must be the default's bit for bit
+        calls.append(batch["input_ids"].shape[0])
+        return loss_sum(model, batch)
+
+    seen: list[StepRecord] = []
+    default = _run(tmp_path, tiny_dir, text_file, tokenizer, "default")
+    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "injected")), loss=counted,
+              callback=seen.append, progress=False)
+    assert calls == [2] * 5 and r.losses == default.losses  # one micro-batch of 2 per step, the same losses
+    rows = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["kind"] == "train"]
+    assert [s.step for s in seen] == [1, 2, 3, 4, 5] and not any(s.skipped for s in seen)
+    assert [(s.loss, s.lr, s.grad_norm, s.tokens, s.elapsed) for s in seen] == [
+        (row["loss"], row["lr"], row["grad_norm"], row["tokens"], row["elapsed_s"]) for row in rows
+    ]
+
+    doubled = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "doubled")),
+                    loss=lambda model, batch: (2 * loss_sum(model, batch)[0], 0), progress=False)
+    assert doubled.losses[0] == pytest.approx(2 * default.losses[0], rel=1e-6)  # the loss passed in is the one used
+
+
+def test_a_callback_that_raises_stops_the_run_after_that_step(tmp_path, tiny_dir, text_file, tokenizer):
+    class Enough(Exception):
+        pass
+
+    def stop_at_3(record: StepRecord) -> None:
+        if record.step == 3:
+            raise Enough
+
+    cfg = tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=8, checkpoint_every=3)
+    with pytest.raises(Enough):
+        train(cfg, callback=stop_at_3, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["kind"] == "train"] == [1, 2, 3]
+    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "COMMITTED").is_file()  # step 3's checkpoint came first
+
+
+def test_run_log_flushes_each_row_and_is_quiet_off_the_main_process(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with RunLog(path) as log:
+        log.write("train", step=1, loss=2.5)
+        assert json.loads(path.read_text()) == {"kind": "train", "step": 1, "loss": 2.5}  # on disk before close
+        log.write("oom", step=2, batch_size=1, grad_accum=4)
+        assert len(path.read_text().splitlines()) == 2
+    other = tmp_path / "other.jsonl"
+    with RunLog(other, enabled=False) as log:
+        log.write("train", step=1, loss=2.5)
+    assert not other.exists()
+
+
+def test_training_starts_by_naming_device_precision_and_trainable_parameters(tmp_path, tokenizer, text_file, capsys):
+    model = make_model(tokenizer)
+    every = sum(p.numel() for p in model.parameters())
+    cfg = tiny_train_config(tmp_path, "unused", text_file, max_steps=1)
+    r = train(cfg, model=model, tokenizer=tokenizer, data=load_data(str(text_file), tokenizer, seq_len=16))
+    lora = 2 * (8 * (64 + 64) + 8 * (64 + 32))  # 2 layers, r 8: A (r x in) + B (out x r) on q_proj 64->64, v_proj 64->32
+    assert r.trainable_params == lora
+    lines = [x for x in capsys.readouterr().err.splitlines() if "trainable parameters" in x]
+    assert lines == [f"tunesmith: training on cpu in fp32: {lora:,} trainable parameters, "
+                     f"{lora / (every + lora):.2%} of {every + lora:,}"]
+
+
+# ---- the time budget and its floor ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget,elapsed,total,min_steps,expected", [
+    (300.0, 15.0, 120, 0, 60),    # 5 s a step: 60 fit
+    (300.0, 30.0, 120, 0, 30),    # a busy machine, 10 s a step: 30
+    (300.0, 30.0, 120, 40, 40),   # ... but never below the floor
+    (300.0, 3.0, 120, 40, 120),   # a fast machine: the flags' horizon, the budget does not stretch it
+    (300.0, 30.0, 25, 40, 25),    # the floor never lifts the run past --max-steps
+    (1e-3, 3.0, 50, 0, 4),        # a budget already spent: the step under way is the last
+    (300.0, 0.0, 50, 0, 50),      # a clock that did not move (no division by zero)
+])
+def test_budget_horizon(budget, elapsed, total, min_steps, expected):
+    assert budget_horizon(budget, elapsed, 3, total, min_steps) == expected
+
+
+def test_min_steps_trains_that_many_steps_however_little_the_budget(tmp_path, tiny_dir, text_file, tokenizer):
+    # A 1 ms budget is spent after any real step, so without a floor the run stops at step 4 (test_checkpoint).
+    r = _run(tmp_path, tiny_dir, text_file, tokenizer, "floor", max_steps=50, time_budget=1e-3, min_steps=7)
+    assert r.steps == 7 and len(r.losses) == 7
+    capped = _run(tmp_path, tiny_dir, text_file, tokenizer, "capped", max_steps=6, time_budget=1e-3, min_steps=40)
+    assert capped.steps == 6
+
+
+def test_the_demo_trains_at_least_the_steps_the_sweep_needs():
+    from tunesmith.config import DemoConfig
+
+    demo = DemoConfig()
+    # docs/PERFORMANCE.md: lr 3e-3 on q_proj,v_proj passes a 25% held-out drop at step 20; twice that as margin
+    assert (demo.lr, demo.lora_targets, demo.min_steps, demo.overwrite) == (3e-3, ["q_proj", "v_proj"], 40, True)
+    assert demo.min_steps <= demo.max_steps
+
+
+# ---- a folder that already holds a run -------------------------------------------------------------------------
+
+
+def _cli_train(tiny_dir, text_file, run, *extra):
+    return main(["train", "--model", str(tiny_dir), "--data", str(text_file), "--output", str(run), "--device", "cpu",
+                 "--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--lr", "1e-2", "--warmup-steps", "1",
+                 "--eval-every", "0", *extra])
+
+
+def test_train_refuses_to_replace_a_finished_run_unless_told(tmp_path, tiny_dir, text_file, capsys, monkeypatch):
+    import tunesmith.report
+
+    monkeypatch.setattr(tunesmith.report, "write_report", lambda *a, **k: None)  # plots: not under test here
+    run = tmp_path / "run"
+    run.mkdir()  # an empty folder is a new one
+    assert _cli_train(tiny_dir, text_file, run) == 0
+    adapter = run / "adapter" / "adapter_model.safetensors"
+    old, old_metrics = adapter.read_bytes(), (run / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+
+    assert _cli_train(tiny_dir, text_file, run, "--seed", "1") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"tunesmith train: error: {run} already holds a run (an adapter, ")
+    assert "--resume" in err[0] and "--overwrite" in err[0]
+    assert adapter.read_bytes() == old and (run / "metrics.jsonl").read_bytes() == old_metrics
+
+    assert _cli_train(tiny_dir, text_file, run, "--resume") == 0  # continuing it is fine (nothing left to train)
+    assert adapter.read_bytes() == old
+    assert _cli_train(tiny_dir, text_file, run, "--seed", "1", "--overwrite") == 0
+    assert adapter.read_bytes() != old  # trained afresh with the other seed
+    assert "trained 2 steps" in capsys.readouterr().out
+
+
+def test_the_demo_refuses_before_loading_anything_with_no_overwrite(tmp_path, capsys):
+    run = tmp_path / "demo"
+    (run / "adapter").mkdir(parents=True)
+    assert main(["demo", "--output", str(run), "--no-overwrite", "--model", str(tmp_path / "no-such-model")]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run (an adapter)" in err and "--overwrite" in err
+    assert sorted(p.name for p in run.iterdir()) == ["adapter"]

@@ -187,14 +187,6 @@ class Checkpointer:
             raise TunesmithError(f"--resume {resume}: no such checkpoint or run folder")
         return newest_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path, self.echo)
 
-    def warn_if_replacing(self) -> None:
-        """A fresh run into a folder that holds another run's checkpoints: say so before they are replaced."""
-        done = self.complete()
-        if done:
-            self.echo(f"note: {self.root} holds checkpoints of an earlier run (newest: {done[0][1].name}); starting "
-                      "over. Stop now and add --resume to continue it instead; they are deleted at this run's "
-                      "first checkpoint")
-
     def check_config(self, ckpt: Checkpoint, policy: str) -> None:
         """Warn about (or, with policy 'refuse', refuse) settings that differ from the checkpoint's, all in one."""
         diffs = self.differences(ckpt)

@@ -37,9 +37,11 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def _train(cfg):
+    from tunesmith.report import write_report  # looked up now, so a test can replace it
     from tunesmith.train import train
 
     r = train(cfg)
+    write_report(r.run_dir)  # report.html and a plain-text summary of the run
     last = f", validation perplexity {r.evals[-1][1].perplexity:.2f}" if r.evals else ""
     print(f"trained {r.steps} steps in {r.seconds:.1f}s{last}; adapter saved to {r.adapter_dir}")
 

@@ -116,11 +116,15 @@ class TrainConfig(DataConfig, ModelConfig):
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)"
     )
+    min_steps: int = opt(0, "the time budget never cuts the run below this many steps (--max-steps still caps it)")
     checkpoint_every: int = opt(50, "save a resumable checkpoint every N optimizer steps, and at the end (0: only at the end)")
     keep: int = opt(2, "checkpoints to keep, newest first (0: all); old ones go only after a new one is saved")
     resume: bool | str = opt(
         False, "continue from the newest complete checkpoint in --output, or from the checkpoint folder PATH",
         type=resume_value, nargs="?", const=True, metavar="PATH",
+    )
+    overwrite: bool = opt(
+        False, "replace the run already in --output (its adapter, checkpoints, metrics); without it train refuses"
     )
     on_config_mismatch: str = opt(
         "warn", "when --resume finds settings that differ from the checkpoint's: warn and go on, or refuse",
@@ -169,6 +173,10 @@ class DemoConfig(TrainConfig):
     max_steps: int | None = opt(120, "optimizer steps (the time budget may stop it earlier)")
     batch_size: int | str = opt(4, "micro-batch size", type=batch_size_value)
     time_budget: float = opt(300.0, "seconds of training to aim for; the step count is cut to fit the device")
+    min_steps: int = opt(
+        40, "steps trained however slow the machine (the held-out drop passes 25% by step 20: docs/PERFORMANCE.md)"
+    )
+    overwrite: bool = opt(True, "replace the earlier demo run in <runs-dir>/<name> (--no-overwrite refuses instead)")
     eval_batches: int = opt(8, "validation batches for the before/after perplexity")
     eval_every: int = opt(0, "evaluate every N steps during training (0: only at the end)")
     sample_tokens: int = opt(60, "tokens per before/after sample")

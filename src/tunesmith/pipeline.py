@@ -20,7 +20,7 @@ from tunesmith.generate import generate
 from tunesmith.merge import merge_model
 from tunesmith.models import load_model
 from tunesmith.report import write_report
-from tunesmith.train import train
+from tunesmith.train import check_run_folder, train
 
 
 @dataclass
@@ -46,6 +46,9 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
     console = console or Console()
     started = time.perf_counter()
     run_dir = Path(cfg.output or Path(cfg.runs_dir) / cfg.name)
+    train_cfg = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields_of(TrainConfig)})
+    train_cfg = dataclasses.replace(train_cfg, output=str(run_dir))
+    check_run_folder(train_cfg)  # a refusal (--no-overwrite) comes now, not after minutes of loading and sampling
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "demo-config.yaml")
     device = resolve_device(cfg.device)
@@ -71,9 +74,8 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
     ppl_before, before = measure(model)
     console.print(f"before: held-out perplexity {ppl_before:.2f}")
 
-    train_cfg = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields_of(TrainConfig)})
-    train_cfg = dataclasses.replace(train_cfg, output=str(run_dir))
-    result = train(train_cfg, model=model, tokenizer=tokenizer, data=data, report=False)
+    # The demo reruns into the same folder: DemoConfig.overwrite is on, so train replaces the earlier run.
+    result = train(train_cfg, model=model, tokenizer=tokenizer, data=data)
     tuned = result.model
 
     ppl_after, after = measure(tuned)

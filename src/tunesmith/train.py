@@ -1,23 +1,34 @@
-"""LoRA fine-tuning: one readable loop on accelerate (single device, or DDP under `accelerate launch`)."""
+"""LoRA fine-tuning on accelerate (single device, or DDP under `accelerate launch`).
+
+Shaped as litgpt shapes it: `train()` sets up (device, precision, accelerator, data, model, LoRA, optimizer,
+schedule, resume), runs `train_loop()` -- the loop, readable top to bottom -- and finishes (saves the adapter, returns the
+result). Writing the report is the caller's job (the CLI, the demo). The loss and a per-step callback can be passed
+in, as in mlx-lm's `train(..., loss=..., training_callback=...)`.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tunesmith.checkpoint import (
+    Checkpoint,
     Checkpointer,
     StopSignals,
     TrainState,
     carry_metrics,
+    complete_checkpoints,
     data_fingerprint,
     restore,
     restore_rng,
@@ -38,9 +49,28 @@ from tunesmith.errors import Interrupted, TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
 from tunesmith.lora import attach_lora, trainable_parameters
 from tunesmith.models import load_model, load_tokenizer
-from tunesmith.report import write_report
 
 CALIBRATION_STEPS = 3  # steps timed before a time budget resizes the run
+
+# (model, batch) -> (loss summed over the batch's supervised tokens, their count); evaluate.loss_sum is the default
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the per-step callback is given after every optimizer step."""
+
+    step: int  # optimizer steps done
+    loss: float  # this step's training loss
+    lr: float  # the learning rate this step used
+    grad_norm: float  # before clipping
+    tokens: int  # supervised tokens trained on so far (all processes)
+    tokens_per_s: float  # this step's
+    elapsed: float  # seconds of training so far, earlier processes of a resumed run included
+    skipped: bool = False  # the non-finite guard skipped it: weights, optimizer and schedule untouched
+
+
+Callback = Callable[[StepRecord], Any]
 
 
 @dataclass
@@ -72,6 +102,36 @@ class Schedule:
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class RunLog:
+    """metrics.jsonl, the run's one log: train, eval, skip and oom rows, a JSON object per line, each flushed as it
+    is written (a kill loses at most the row in progress). A fresh run starts it empty; a resumed run first cuts it
+    back to what the checkpoint's run had logged up to the checkpoint's step (`rows`), then appends. Only the main
+    process of a DDP run writes; on the others every call is a no-op."""
+
+    def __init__(self, path: Path, resume_from: Checkpoint | None = None, enabled: bool = True):
+        self.path, self.rows, self._file = path, [], None
+        if enabled:
+            if resume_from:
+                self.rows = carry_metrics(resume_from, path)
+            self._file = path.open("a" if resume_from else "w", encoding="utf-8")
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if self._file:
+            self._file.write(json.dumps({"kind": kind, **fields}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def plan_steps(cfg: TrainConfig, n_examples: int, world: int, batch_size: int) -> tuple[int, int]:
     """(steps per epoch, total optimizer steps)."""
     per_step = batch_size * cfg.grad_accum * world
@@ -83,6 +143,14 @@ def plan_steps(cfg: TrainConfig, n_examples: int, world: int, batch_size: int) -
     if cfg.epochs <= 0:
         raise TunesmithError(f"--epochs must be > 0, got {cfg.epochs}")
     return per_epoch, max(1, math.ceil(cfg.epochs * per_epoch))
+
+
+def budget_horizon(budget: float, elapsed: float, step: int, total: int, min_steps: int = 0) -> int:
+    """The run's length once `step` steps took `elapsed` seconds: the steps that fit into `budget` seconds at that
+    pace, but never fewer than `min_steps` (a slow or busy machine still trains what quality needs) or than the
+    next step, and never more than `total` (the flags' horizon)."""
+    fits = int(budget / (elapsed / step)) if elapsed > 0 else total
+    return min(total, max(step + 1, min_steps, fits))
 
 
 def step_examples(order: list[int], step: int, per_step: int, rank: int, world: int) -> list[int]:
@@ -97,19 +165,84 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
+def check_run_folder(cfg: TrainConfig) -> list[str]:
+    """A fresh run must not silently replace a finished one. Returns what the folder holds of an earlier run (empty:
+    nothing); without --resume or --overwrite, a folder that holds one is an error naming both."""
+    run_dir = Path(cfg.output)
+    if cfg.resume or not run_dir.is_dir():
+        return []
+    found = ["an adapter"] if (run_dir / "adapter").exists() else []
+    done = complete_checkpoints(run_dir / "checkpoints")
+    if done:
+        found.append(f"checkpoints up to {done[0][1].name}")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append("metrics.jsonl")
+    if found and not cfg.overwrite:
+        raise TunesmithError(
+            f"{run_dir} already holds a run ({', '.join(found)}); add --resume to continue it, --overwrite to "
+            "replace it, or choose another --output"
+        )
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
 def train(
     cfg: TrainConfig,
     *,
     model: torch.nn.Module | None = None,
     tokenizer=None,
     data: TokenData | None = None,
+    loss: LossFn | None = None,
+    callback: Callback | None = None,
     progress: bool = True,
-    report: bool = True,
 ) -> TrainResult:
-    """Train a LoRA adapter as `cfg` says. Tests inject a small `model`, `tokenizer` and `data`."""
+    """Train a LoRA adapter as `cfg` says; the adapter lands in <cfg.output>/adapter.
+
+    `model`, `tokenizer` and `data` replace loading them (tests pass small ones). `loss(model, batch)` returns the
+    summed loss over the batch's supervised tokens and their count (default: evaluate.loss_sum). `callback` gets a
+    StepRecord after every optimizer step (its checkpoint, if one was due, already saved); an exception it raises
+    ends the run there."""
+    run = _setup(cfg, model, tokenizer, data, progress)
+    with run.log:
+        result = TrainResult(run.run_dir, run.run_dir / "adapter", trainable_params=trainable_parameters(run.model),
+                             losses=[r["loss"] for r in run.log.rows if r.get("kind") == "train"])
+        train_loop(cfg, run, result, loss or loss_sum, callback, progress and run.accelerator.is_main_process)
+    return _finish(run, result)
+
+
+@dataclass
+class Run:
+    """What set-up hands the loop: the prepared objects and where the run stands (fresh, or resumed)."""
+
+    run_dir: Path
+    accelerator: Any
+    device: torch.device
+    model: torch.nn.Module  # prepared by accelerate (DDP-wrapped under `accelerate launch`)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    schedule: Schedule  # the LR multiplier; its horizon is what a time budget cuts
+    params: list[torch.nn.Parameter]  # the trainable (LoRA) parameters
+    data: TokenData
+    pad_id: int
+    planned_total: int  # the horizon the flags asked for
+    per_epoch: int  # optimizer steps per pass over the data
+    per_step: int  # examples per optimizer step, all processes together
+    batch_size: int  # the micro-batch
+    saver: Checkpointer
+    state: TrainState  # step, tokens, elapsed... as the checkpoint left them, or zero
+    ckpt: Checkpoint | None  # the checkpoint resumed from
+    log: RunLog  # metrics.jsonl, open (and on resume already cut back to the checkpoint's step)
+    say: Callable[[str], None]  # a note on stderr, from the main process only
+
+
+def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    earlier = check_run_folder(cfg)  # before anything is written: a refusal leaves the folder as it was
     device = resolve_device(cfg.device)
     if device.type == "mps":  # before the first MPS op (the bf16 probe in resolve_precision is one)
         _note(progress, enable_mps_fallback())
@@ -118,19 +251,23 @@ def train(
         raise TunesmithError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
     if cfg.max_bad_steps < 1:
         raise TunesmithError(f"--max-bad-steps must be >= 1, got {cfg.max_bad_steps}")
+    if cfg.min_steps < 0:
+        raise TunesmithError(f"--min-steps must be >= 0, got {cfg.min_steps}")
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     batch_size = _plan_memory(cfg, device, precision, model, run_dir, progress)  # settles --batch-size auto
     accelerator = Accelerator(
         cpu=device.type == "cpu", mixed_precision="no" if precision == "fp32" else precision
     )
+    main = accelerator.is_main_process
+    say = (lambda text: _note(progress, text)) if main else (lambda text: None)
     set_seed(cfg.seed)
 
     if model is None and tokenizer is None:
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     if data is None:  # before the weights: bad data fails in seconds, not after a long load
         data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
-        if progress and accelerator.is_main_process:
+        if progress and main:
             print(describe_data(data))  # records truncated or dropped, and why
     if model is None:
         model, tokenizer = load_model(cfg.model, accelerator.device, weight_dtype(device, precision), cfg.trust_remote_code,
@@ -143,57 +280,69 @@ def train(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     params = [p for p in model.parameters() if p.requires_grad]
+    trainable, every = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
+    world = accelerator.num_processes
+    on = f"{accelerator.device} x {world} processes" if world > 1 else f"{accelerator.device}"
+    say(f"training on {on} in {precision}: {trainable:,} trainable parameters, {trainable / every:.2%} of {every:,}")
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    world, rank = accelerator.num_processes, accelerator.process_index
     per_epoch, total = plan_steps(cfg, len(data.train), world, batch_size)
     schedule = Schedule(total, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     save_config(cfg, run_dir / "config.yaml")
 
-    result = TrainResult(run_dir, run_dir / "adapter", trainable_params=trainable_parameters(model))
-    main = accelerator.is_main_process
-    say = (lambda text: _note(progress, text)) if main else (lambda text: None)
     saver = Checkpointer(run_dir, cfg, device.type, precision, data_fingerprint(data.train), say)
     # Resume restores what the next step depends on: the LoRA weights, AdamW's moments, the schedule (whose horizon
     # a time budget may have cut), the grad scaler, and the step -- which is also the data position, since a step's
-    # examples are a pure function of (seed, step). The RNGs are restored last, right before the loop, so dropout
-    # draws continue as if the run had never stopped. metrics.jsonl is cut back to the checkpoint's step.
+    # examples are a pure function of (seed, step). The RNGs are restored by the loop, right before its first step,
+    # so dropout draws continue as if the run had never stopped. The run log is cut back to the checkpoint's step.
     ckpt = saver.find(cfg.resume) if cfg.resume else None
     if ckpt:
         saver.check_config(ckpt, cfg.on_config_mismatch)
         state = restore(ckpt, accelerator.unwrap_model(model), optimizer, scheduler, accelerator.scaler, schedule,
                         total, cfg.lr, cfg.weight_decay)
-        rows = carry_metrics(ckpt, run_dir / "metrics.jsonl") if main else []
-        result.losses = [r["loss"] for r in rows if r.get("kind") == "train"]
-        say(f"resuming from {ckpt.path} (step {state.step} of {schedule.total})")
     else:
         state = TrainState(schedule_total=total, planned_total=total)
-        if main:
-            saver.warn_if_replacing()
-    metrics = (run_dir / "metrics.jsonl").open("a" if ckpt else "w", encoding="utf-8") if main else None
-    per_step = batch_size * cfg.grad_accum * world
-    if state.batch_size:  # out-of-memory recovery had halved the micro-batch (the examples per step stay the same)
+    if earlier and main:  # --overwrite, once set-up has worked: nothing of the earlier run may pass for this one's
+        say(f"--overwrite: replacing the run in {run_dir} ({', '.join(earlier)})")
+        for name in ("adapter", "checkpoints", "metrics.jsonl", "report.html"):
+            _delete(run_dir / name)
+    log = RunLog(run_dir / "metrics.jsonl", ckpt, enabled=main)
+    if ckpt:
+        say(f"resuming from {ckpt.path} (step {state.step} of {schedule.total})")
+    per_step = batch_size * cfg.grad_accum * world  # examples per optimizer step; out-of-memory recovery keeps it
+    if state.batch_size:  # out-of-memory recovery had halved the micro-batch
         batch_size = min(batch_size, state.batch_size)
-    bar = _progress(progress and main)
+    return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, pad_id, total,
+               per_epoch, per_step, batch_size, saver, state, ckpt, log, say)
+
+
+def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = loss_sum, callback: Callback | None = None,
+        progress: bool = True) -> None:
+    """The loop: optimizer steps from where set-up left the run (step 0, or the checkpoint's) to the end of the
+    schedule. Fills `result` and writes the run log; a stop signal ends it with a checkpoint and Interrupted."""
+    acc, model, optimizer, scheduler, schedule = run.accelerator, run.model, run.optimizer, run.scheduler, run.schedule
+    data, log, state, batch_size = run.data, run.log, run.state, run.batch_size
+    world, rank, main = acc.num_processes, acc.process_index, acc.is_main_process
+    bar = _progress(progress)
     task = bar.add_task("train", total=schedule.total, completed=state.step, loss=float("nan"), tps=0.0)
     model.train()
-    started = time.perf_counter() - state.elapsed
+    started = time.perf_counter() - state.elapsed  # elapsed counts the earlier processes of a resumed run
     step, result.tokens, bad_streak = state.step, state.tokens, state.bad_streak
-    if ckpt:
-        restore_rng(ckpt.state["rng"], device.type)
-    with bar, StopSignals() as stop, (metrics or nullcontext()):
+    if run.ckpt:  # last thing before the first step: nothing in set-up may draw from them after this
+        restore_rng(run.ckpt.state["rng"], run.device.type)
+    with bar, StopSignals() as stop:
         while step < schedule.total:
             t0 = time.perf_counter()
-            epoch = step // per_epoch
-            order = epoch_order(len(data.train), cfg.seed, epoch)
-            mine = [data.train[i] for i in step_examples(order, step % per_epoch, per_step, rank, world)]
+            # A step's examples are a pure function of (seed, step): that is what makes resume exact.
+            order = epoch_order(len(data.train), cfg.seed, step // run.per_epoch)
+            mine = [data.train[i] for i in step_examples(order, step % run.per_epoch, run.per_step, rank, world)]
             # Normalise by the supervised tokens of the whole step, so that splitting it into more or fewer
             # micro-batches gives the same gradient.
             n_tokens = max(1, sum(sum(1 for t in lab[1:] if t != IGNORE) for _, lab in mine))
             while True:  # out of memory: halve the micro-batch, double the accumulation, redo this step afresh
                 try:
-                    step_loss = _accumulate(model, accelerator, mine, batch_size, n_tokens, pad_id)
+                    step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss)
                     break
                 except Exception as e:
                     if not is_oom(e):
@@ -201,90 +350,87 @@ def train(
                     if batch_size == 1 or world > 1:
                         raise TunesmithError(_oom_advice(e, step, batch_size, world, cfg.seq_len)) from None
                 optimizer.zero_grad(set_to_none=True)  # outside the handler: the traceback's activations are gone
-                batch_size = _halve_batch(accelerator.device, step, batch_size, len(mine), bar, progress, metrics)
+                batch_size = _halve_batch(acc.device, step, batch_size, len(mine), bar, progress, log)
             # The norm is measured even without clipping (max_norm inf scales by exactly 1): the guard needs it.
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            grad_norm = float(accelerator.clip_grad_norm_(params, max_norm))
+            grad_norm = float(acc.clip_grad_norm_(run.params, max_norm))
             lr = scheduler.get_last_lr()[0]
             # Non-finite guard: one NaN/inf update would poison the weights and AdamW's moments for good, so the
             # step is skipped (weights, optimizer and schedule untouched) and the data moves on. Under fp16 an inf
             # gradient with a finite loss is the grad scaler's to handle: it skips the update and lowers the scale.
-            bad = not math.isfinite(step_loss) or (not math.isfinite(grad_norm) and accelerator.scaler is None)
-            if _any_process(accelerator, bad):
+            bad = not math.isfinite(step_loss) or (not math.isfinite(grad_norm) and acc.scaler is None)
+            if _any_process(acc, bad):
                 bad_streak += 1
             else:
                 optimizer.step()
                 scheduler.step()
                 bad_streak = 0
             optimizer.zero_grad(set_to_none=True)
-            synchronize(accelerator.device)
+            synchronize(acc.device)  # an accelerator runs ahead of Python: time the step, not its launch
             step += 1
             elapsed = time.perf_counter() - started
             dt = time.perf_counter() - t0
             if bad_streak:  # logged as a skip, not as a training step; max_bad_steps in a row end the run
-                _skipped(step, step_loss, grad_norm, bad_streak, cfg, metrics, say, saver)
+                _skipped(step, step_loss, grad_norm, bad_streak, cfg, log, run.say, run.saver)
             else:
                 result.losses.append(step_loss)
                 result.tokens += n_tokens * world
             tps = n_tokens * world / dt
             if cfg.time_budget and step == CALIBRATION_STEPS and schedule.total > step:
-                # Steps 2..3 are warm; fit the rest of the run into the budget and stretch the schedule to it.
-                per = elapsed / step
-                fits = max(step + 1, int(cfg.time_budget / per))
-                if fits < schedule.total:
-                    schedule.total = fits
-                    bar.update(task, total=fits)
-            if metrics and not bad_streak and (step % cfg.log_every == 0 or step == schedule.total):
-                row = {"kind": "train", "step": step, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
-                       "tokens": result.tokens, "tokens_per_s": tps, "elapsed_s": elapsed,
-                       "peak_mem_bytes": peak_memory_bytes(accelerator.device)}
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                # Steps 2..3 are warm: fit the run into the budget (never below --min-steps) and let the cosine
+                # decay end at the new horizon.
+                schedule.total = budget_horizon(cfg.time_budget, elapsed, step, schedule.total, cfg.min_steps)
+                bar.update(task, total=schedule.total)
+            if not bad_streak and (step % cfg.log_every == 0 or step == schedule.total):
+                log.write("train", step=step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens=result.tokens,
+                          tokens_per_s=tps, elapsed_s=elapsed, peak_mem_bytes=peak_memory_bytes(acc.device))
             bar.update(task, advance=1, loss=step_loss, tps=tps)
             last = step == schedule.total
             if data.valid and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-                ev = evaluate(model, data.valid, batch_size, cfg.eval_batches, pad_id)
+                ev = evaluate(model, data.valid, batch_size, cfg.eval_batches, run.pad_id)
                 result.evals.append((step, ev))
-                if metrics:
-                    metrics.write(json.dumps({"kind": "eval", "step": step, "val_loss": ev.loss,
-                                              "val_ppl": ev.perplexity, "val_tokens": ev.tokens}) + "\n")
-                    metrics.flush()
+                log.write("eval", step=step, val_loss=ev.loss, val_ppl=ev.perplexity, val_tokens=ev.tokens)
                 model.train()
             # A checkpoint every N steps, at the end, and when a stop signal came in during this step: the step is
-            # complete (all its micro-batches), so weights, optimizer state and data position agree.
-            stopping = _any_process(accelerator, stop.signum is not None)
+            # complete (all its micro-batches), so weights, optimizer state and data position agree. Every DDP
+            # process must agree to stop, or the others would wait for it forever.
+            stopping = _any_process(acc, stop.signum is not None)
             if last or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                state = TrainState(step=step, schedule_total=schedule.total, planned_total=total, tokens=result.tokens,
-                                   elapsed=time.perf_counter() - started, bad_streak=bad_streak, run_id=state.run_id,
-                                   batch_size=batch_size)
+                state = TrainState(step=step, schedule_total=schedule.total, planned_total=run.planned_total,
+                                   tokens=result.tokens, elapsed=time.perf_counter() - started, bad_streak=bad_streak,
+                                   run_id=state.run_id, batch_size=batch_size)
                 if main:
-                    saved = saver.save(state, accelerator.unwrap_model(model), optimizer, scheduler, accelerator.scaler)
-                accelerator.wait_for_everyone()
+                    saved = run.saver.save(state, acc.unwrap_model(model), optimizer, scheduler, acc.scaler)
+                acc.wait_for_everyone()
+            if callback:
+                callback(StepRecord(step, step_loss, lr, grad_norm, result.tokens, tps, elapsed, bool(bad_streak)))
             if stopping and not last:
-                raise Interrupted(f"{stop.name or 'signal'} after step {step}: checkpoint {saved if main else saver.root} "
-                                  "saved; run the same command with --resume to continue", stop.signum or signal.SIGTERM)
-
+                raise Interrupted(f"{stop.name or 'signal'} after step {step}: checkpoint "
+                                  f"{saved if main else run.saver.root} saved; run the same command with --resume "
+                                  "to continue", stop.signum or signal.SIGTERM)
     result.steps = step
-    result.batch_size, result.grad_accum = batch_size, -(-per_step // world // batch_size)
+    result.batch_size, result.grad_accum = batch_size, -(-run.per_step // world // batch_size)
     result.seconds = time.perf_counter() - started
-    result.peak_memory_bytes = peak_memory_bytes(accelerator.device)
-    if metrics:
-        metrics.close()
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(result.adapter_dir, safe_serialization=True)
-        if report:  # report.html and a plain-text summary (the demo writes its own, with samples, at the end)
-            write_report(run_dir, echo=print if progress else None)
-    result.model = accelerator.unwrap_model(model)
+
+
+def _finish(run: Run, result: TrainResult) -> TrainResult:
+    """Save the adapter (from the main process, once every process is done) and hand back the trained model."""
+    acc = run.accelerator
+    result.peak_memory_bytes = peak_memory_bytes(acc.device)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        acc.unwrap_model(run.model).save_pretrained(result.adapter_dir, safe_serialization=True)
+    result.model = acc.unwrap_model(run.model)
     return result
 
 
-def _skipped(step: int, loss: float, grad_norm: float, streak: int, cfg: TrainConfig, metrics, say, saver) -> None:
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _skipped(step: int, loss: float, grad_norm: float, streak: int, cfg: TrainConfig, log: RunLog, say,
+             saver: Checkpointer) -> None:
     """Log a step the non-finite guard skipped; after cfg.max_bad_steps in a row, stop with a diagnosis."""
-    if metrics:
-        row = {"kind": "skip", "step": step, "loss": str(loss), "grad_norm": str(grad_norm), "in_a_row": streak}
-        metrics.write(json.dumps(row) + "\n")
-        metrics.flush()
+    log.write("skip", step=step, loss=str(loss), grad_norm=str(grad_norm), in_a_row=streak)
     say(f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not finite; step skipped, weights unchanged "
         f"({streak} in a row; the run stops at {cfg.max_bad_steps})")
     if streak >= cfg.max_bad_steps:
@@ -304,22 +450,25 @@ def _any_process(accelerator, flag: bool) -> bool:
     return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum").item() > 0)
 
 
-def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: int, pad_id: int) -> float:
+def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: int, pad_id: int,
+                loss_fn: LossFn = loss_sum) -> float:
     """Forward and backward one optimizer step's examples in micro-batches; returns the step's loss."""
     micro = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
     step_loss = 0.0
     for i, chunk in enumerate(micro):
         batch = {k: v.to(accelerator.device) for k, v in collate(chunk, pad_id).items()}
+        # DDP all-reduces gradients on every backward; only the step's last micro-batch needs it.
         sync = accelerator.no_sync(model) if i < len(micro) - 1 else nullcontext()
         with sync, accelerator.autocast():
-            s, _ = loss_sum(model, batch)
+            s, _ = loss_fn(model, batch)
             loss = s / n_tokens
             accelerator.backward(loss)
         step_loss += float(loss.detach())
     return step_loss
 
 
-def _halve_batch(device: torch.device, step: int, batch_size: int, examples: int, bar, progress: bool, metrics) -> int:
+def _halve_batch(device: torch.device, step: int, batch_size: int, examples: int, bar, progress: bool,
+                 log: RunLog) -> int:
     """After an out-of-memory error: free the cache, halve the micro-batch, say so; the step is redone."""
     free_memory(device)
     new = batch_size // 2
@@ -327,9 +476,15 @@ def _halve_batch(device: torch.device, step: int, batch_size: int, examples: int
     if progress:
         bar.console.print(f"tunesmith: out of memory at step {step + 1}: micro-batch {batch_size} -> {new}, "
                           f"grad-accum -> {accum} (effective batch {examples} unchanged); redoing the step")
-    if metrics:
-        metrics.write(json.dumps({"kind": "oom", "step": step + 1, "batch_size": new, "grad_accum": accum}) + "\n")
+    log.write("oom", step=step + 1, batch_size=new, grad_accum=accum)
     return new
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def _oom_advice(e: BaseException, step: int, batch_size: int, world: int, seq_len: int) -> str:
