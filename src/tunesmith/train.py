@@ -282,8 +282,6 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     params = [p for p in model.parameters() if p.requires_grad]
     trainable, every = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     world = accelerator.num_processes
-    on = f"{accelerator.device} x {world} processes" if world > 1 else f"{accelerator.device}"
-    say(f"training on {on} in {precision}: {trainable:,} trainable parameters, {trainable / every:.2%} of {every:,}")
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     per_epoch, total = plan_steps(cfg, len(data.train), world, batch_size)
     schedule = Schedule(total, cfg.warmup_steps)
@@ -310,6 +308,9 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     log = RunLog(run_dir / "metrics.jsonl", ckpt, enabled=main)
     if ckpt:
         say(f"resuming from {ckpt.path} (step {state.step} of {schedule.total})")
+    # Set-up is done: say what trains, where, at what precision (the one line a user checks first)
+    on = f"{accelerator.device} x {world} processes" if world > 1 else f"{accelerator.device}"
+    say(f"training on {on} in {precision}: {trainable:,} trainable parameters, {trainable / every:.2%} of {every:,}")
     per_step = batch_size * cfg.grad_accum * world  # examples per optimizer step; out-of-memory recovery keeps it
     if state.batch_size:  # out-of-memory recovery had halved the micro-batch
         batch_size = min(batch_size, state.batch_size)
@@ -317,8 +318,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
                per_epoch, per_step, batch_size, saver, state, ckpt, log, say)
 
 
-def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = loss_sum, callback: Callback | None = None,
-        progress: bool = True) -> None:
+def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = loss_sum,
+               callback: Callback | None = None, progress: bool = True) -> None:
     """The loop: optimizer steps from where set-up left the run (step 0, or the checkpoint's) to the end of the
     schedule. Fills `result` and writes the run log; a stop signal ends it with a checkpoint and Interrupted."""
     acc, model, optimizer, scheduler, schedule = run.accelerator, run.model, run.optimizer, run.scheduler, run.schedule
