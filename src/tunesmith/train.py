@@ -1,9 +1,9 @@
 """LoRA fine-tuning on accelerate (single device, or DDP under `accelerate launch`).
 
 Shaped as litgpt shapes it: `train()` sets up (device, precision, accelerator, data, model, LoRA, optimizer,
-schedule, resume), runs `train_loop()` -- the loop, readable top to bottom -- and finishes (saves the adapter, returns the
-result). Writing the report is the caller's job (the CLI, the demo). The loss and a per-step callback can be passed
-in, as in mlx-lm's `train(..., loss=..., training_callback=...)`.
+schedule, resume), runs `train_loop()` -- the loop, readable top to bottom -- and finishes (saves the adapter,
+returns the result). Writing the report is the caller's job (the CLI, the demo). The loss and a per-step callback
+can be passed in, as in mlx-lm's `train(..., loss=..., training_callback=...)`.
 """
 
 from __future__ import annotations
