@@ -36,7 +36,7 @@ from tunesmith.device import (
 )
 from tunesmith.errors import Interrupted, TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
-from tunesmith.lora import attach_lora, trainable_parameters
+from tunesmith.lora import attach_lora, save_adapter, trainable_parameters
 from tunesmith.models import load_model, load_tokenizer
 from tunesmith.report import write_report
 
@@ -272,7 +272,7 @@ def train(
         metrics.close()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(result.adapter_dir, safe_serialization=True)
+        save_adapter(accelerator.unwrap_model(model), result.adapter_dir, cfg.model)
         if report:  # report.html and a plain-text summary (the demo writes its own, with samples, at the end)
             write_report(run_dir, echo=print if progress else None)
     result.model = accelerator.unwrap_model(model)
