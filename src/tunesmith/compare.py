@@ -139,16 +139,16 @@ def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int, 
 def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None] = print) -> list[Rung]:
     """Score every rung the run folder has; `prompts` overrides cfg.prompts (the demo passes its own)."""
     from tunesmith.data import load_data
-    from tunesmith.lora import load_adapter
+    from tunesmith.lora import load_adapter, recorded_base
     from tunesmith.models import load_model, load_tokenizer, resolve_model
     from tunesmith.quantize import weights_bytes
 
     run_dir = Path(cfg.run_dir)
     if not run_dir.is_dir():
         raise TunesmithError(f"run folder not found: {run_dir}")
-    base = cfg.model or run_model(run_dir)
     adapter, merged = run_dir / "adapter", run_dir / "merged"
     has_adapter = (adapter / "adapter_config.json").is_file()
+    base = cfg.model or (recorded_base(adapter)[0] if has_adapter else None) or run_model(run_dir)
     has_merged = (merged / "config.json").is_file()
     ptes = sorted((run_dir / "exports").glob("*.pte")) + [Path(p) for p in cfg.pte]
     prompts = list(prompts) if prompts else read_prompts(cfg.prompts)
@@ -173,7 +173,7 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     model, tok = load_model(base, "cpu", torch.float32)
     rungs.append(timed("base", score_eager, "base", model, tok, examples, prompts, cfg.max_tokens, base_bytes, str(source)))
     if has_adapter:
-        peft = load_adapter(model, adapter)
+        peft = load_adapter(model, adapter, base=base)
         nbytes = base_bytes + weights_bytes(adapter) if base_bytes is not None else None
         rungs.append(timed("LoRA", score_eager, "LoRA (base + adapter)", peft, tok, examples, prompts, cfg.max_tokens,
                            nbytes, str(adapter)))

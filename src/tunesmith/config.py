@@ -74,6 +74,12 @@ def list_value(value: str | list[str]) -> list[str]:
     return list(value)
 
 
+def adapter_base_model() -> Any:
+    """--model for a verb that takes --adapter: not given means the model the adapter was trained on."""
+    return opt("", "model: a built-in alias, a local HF folder, a .gguf file, or a hub id "
+               f"(default: the one --adapter was trained on, else {DEFAULT_MODEL})")
+
+
 @dataclass
 class ModelConfig:
     """What every stage that loads a model shares."""
@@ -139,6 +145,7 @@ class TrainConfig(DataConfig, ModelConfig):
 
 @dataclass
 class GenerateConfig(ModelConfig):
+    model: str = adapter_base_model()
     adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply")
     prompt: str = opt("ROMEO:", "the prompt")
     max_tokens: int = opt(100, "tokens to generate")
@@ -149,13 +156,17 @@ class GenerateConfig(ModelConfig):
 
 @dataclass
 class EvalConfig(DataConfig, ModelConfig):
+    model: str = adapter_base_model()
     adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply")
     batch_size: int = opt(4, "examples per forward pass")
-    max_batches: int = opt(0, "evaluate at most this many batches (0: the whole validation split)")
+    max_batches: int = opt(0, "evaluate at most this many batches (0: the whole split)")
+    split: str = opt("valid", "what to score: valid (the held-out part: valid.jsonl, or the last --val-fraction of a "
+                     "file), train, or all (the whole data)", choices=["valid", "train", "all"])
 
 
 @dataclass
 class MergeConfig(ModelConfig):
+    model: str = adapter_base_model()
     adapter: str = opt("", "LoRA adapter folder (PEFT format) to merge into the model")
     output: str = opt("", "folder for the merged model (safetensors + config + tokenizer)")
     dtype: str = opt("float32", "dtype of the saved weights", choices=["float32", "bfloat16", "float16"])
@@ -210,6 +221,7 @@ class FitConfig(ModelConfig):
 class ParityConfig(ModelConfig):
     """`tunesmith parity`: the same prompts on --device and on the CPU (fp32), compared."""
 
+    model: str = adapter_base_model()
     adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply on both sides")
     prompts: str | None = opt(None, "text file with one prompt per line (default: a few built-in prompts)")
     max_tokens: int = opt(32, "greedy tokens generated per prompt on each side")
@@ -221,7 +233,7 @@ class ParityConfig(ModelConfig):
 class QuantizeConfig(DataConfig):
     """`tunesmith quantize`: weight-only int8 / int4 through torchao, for eager inference; a folder generate/eval load."""
 
-    model: str = same_as(ModelConfig, "model")
+    model: str = adapter_base_model()
     adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to merge before quantizing")
     scheme: str = opt("int8", "int8 (per output channel) or int4 (group-wise) weights", choices=["int8", "int4"])
     group_size: int = opt(32, "int4: weights per quantization group", choices=[32, 64, 128])
@@ -238,7 +250,8 @@ class QuantizeConfig(DataConfig):
 class ExportConfig:
     """`tunesmith export`: a model (or model + adapter) -> an on-device artifact."""
 
-    model: str = opt(DEFAULT_MODEL, "model to export: a merged HF folder, a built-in alias, a .gguf file or a hub id")
+    model: str = opt("", "model to export: a merged HF folder, a built-in alias, a .gguf file or a hub id "
+                     f"(default: the one --adapter was trained on, else {DEFAULT_MODEL})")
     adapter: str | None = opt(None, "LoRA adapter folder to merge on the fly before exporting")
     format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder) or coreml (.mlpackage)",
                       choices=["pte", "gguf", "mlx", "coreml"])
@@ -275,7 +288,7 @@ class CompareConfig(DataConfig):
 
     run_dir: str = opt("", "run folder (the demo's): adapter/, merged/ and exports/*.pte are read; ladder.json is written",
                        positional=True)
-    model: str = opt("", "base model (default: the one the run was trained from, read from its config)")
+    model: str = opt("", "base model (default: the one the run's adapter was trained on, else the one its config names)")
     pte: list[str] = opt([], "extra .pte files, comma-separated (every .pte under <run-dir>/exports is included)",
                          type=list_value)
     group_size: int = same_as(QuantizeConfig, "group_size")

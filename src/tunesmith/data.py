@@ -373,6 +373,39 @@ def describe_data(data: TokenData) -> str:
     return "; ".join(parts)
 
 
+SPLITS = ("valid", "train", "all")
+
+
+def split_examples(data: TokenData, split: str) -> list[Example]:
+    """The examples of one split: valid (held out), train, or all (train then valid: the whole data)."""
+    if split not in SPLITS:
+        raise TunesmithError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return {"valid": data.valid, "train": data.train, "all": data.train + data.valid}[split]
+
+
+def source_label(source: str) -> str:
+    """How output names a data source: a file or folder by its path, a built-in corpus as built-in."""
+    return f"the built-in '{source}' data" if source in BUILTIN_DATA else source
+
+
+def describe_part(data: TokenData, part: str, blocks: Sequence[Sequence[int]]) -> str:
+    """'<source>, <part>: N blocks (or records), T tokens': what a score or a calibration was computed on
+    (`blocks`: the token ids of each example used)."""
+    kind = "records" if "records" in data.stats else "blocks"
+    return f"{source_label(data.source)}, {part}: {len(blocks)} {kind}, {sum(len(ids) for ids in blocks)} tokens"
+
+
+def no_held_out(data: TokenData, seq_len: int, val_fraction: float) -> str:
+    """Why `data` has no validation split, and what to do: a folder lacks valid.jsonl; a file's held-out tail
+    (--val-fraction of it) is empty or shorter than one --seq-len block."""
+    if Path(data.source).is_dir():
+        return (f"{data.source} has no valid.jsonl to score; add one, or score the training records with "
+                "--split train (or --split all)")
+    return (f"{source_label(data.source)} has no held-out part: its last --val-fraction {val_fraction:g} is shorter "
+            f"than one block of --seq-len {seq_len} tokens; raise --val-fraction or lower --seq-len, or score the "
+            "whole of it with --split all")
+
+
 # ------------------------------------------------------------------------------------------ built-in corpora
 
 

@@ -17,6 +17,7 @@ class EvalResult:
     loss: float  # mean negative log-likelihood per supervised token (nats)
     perplexity: float
     tokens: int  # supervised tokens scored
+    scored: str = ""  # what was scored (source, split, examples, tokens), when the caller names it
 
 
 def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -60,19 +61,29 @@ def evaluate(
 
 
 def evaluate_from_config(cfg) -> EvalResult:
-    """The `eval` verb: loss and perplexity of a model (+ adapter) on a dataset's validation split."""
-    from tunesmith.data import load_data
+    """The `eval` verb: loss and perplexity of a model (+ adapter) on one split of a dataset (cfg.split: the
+    held-out part by default, the training part, or all of it); the result names what was scored."""
+    import dataclasses
+
+    from tunesmith.data import describe_part, load_data, no_held_out, split_examples
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
     from tunesmith.errors import TunesmithError
-    from tunesmith.lora import load_adapter
+    from tunesmith.lora import base_model_for, load_adapter
     from tunesmith.models import load_model
 
     device = resolve_device(cfg.device)
-    model, tokenizer = load_model(cfg.model, device, weight_dtype(device, resolve_precision(device, cfg.precision)),
+    spec = base_model_for(cfg.model, cfg.adapter)  # no --model: the one the adapter was trained on
+    model, tokenizer = load_model(spec, device, weight_dtype(device, resolve_precision(device, cfg.precision)),
                                   cfg.trust_remote_code)
     if cfg.adapter:
-        model = load_adapter(model, cfg.adapter)
+        model = load_adapter(model, cfg.adapter, base=spec)
     data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
-    if not data.valid:
-        raise TunesmithError(f"{data.source} has no validation split; add valid.jsonl or raise --val-fraction")
-    return evaluate(model, data.valid, cfg.batch_size, cfg.max_batches, tokenizer.pad_token_id)
+    examples = split_examples(data, cfg.split)
+    if not examples:
+        if cfg.split == "valid":
+            raise TunesmithError(no_held_out(data, cfg.seq_len, cfg.val_fraction))
+        raise TunesmithError(f"{data.source} has no {cfg.split} examples of --seq-len {cfg.seq_len}; lower --seq-len")
+    if cfg.max_batches:
+        examples = examples[: cfg.max_batches * cfg.batch_size]
+    result = evaluate(model, examples, cfg.batch_size, 0, tokenizer.pad_token_id)
+    return dataclasses.replace(result, scored=describe_part(data, f"{cfg.split} split", [ids for ids, _ in examples]))

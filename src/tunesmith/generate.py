@@ -126,15 +126,16 @@ def generate_from_config(cfg, write=None) -> list[GenerationResponse]:
     import sys
 
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
-    from tunesmith.lora import load_adapter
+    from tunesmith.lora import base_model_for, load_adapter
     from tunesmith.models import load_model
 
     write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     device = resolve_device(cfg.device)
-    model, tokenizer = load_model(cfg.model, device, weight_dtype(device, resolve_precision(device, cfg.precision)),
+    spec = base_model_for(cfg.model, cfg.adapter)  # no --model: the one the adapter was trained on
+    model, tokenizer = load_model(spec, device, weight_dtype(device, resolve_precision(device, cfg.precision)),
                                   cfg.trust_remote_code)
     if cfg.adapter:
-        model = load_adapter(model, cfg.adapter)
+        model = load_adapter(model, cfg.adapter, base=spec)
     if not cfg.chat:
         write(cfg.prompt)
     responses = []

@@ -167,10 +167,14 @@ def uniform(grid: Grid, group_size: int) -> Plan:
 
 
 @torch.no_grad()
-def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], plan: Plan, damp: float = 0.01):
+def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], plan: Plan, damp: float = 0.01,
+                        progress: bool = True):
     """Sequential GPTQ over model.model.layers. `plan(name, linear)` gives each linear its (grid, group size), or
     None to leave it alone. Each planned linear's weight is replaced by its dequantized values; returns
-    {module name (model.layers.i....): (grid, group size, scales, offsets)}. lm_head is not touched."""
+    {module name (model.layers.i....): (grid, group size, scales, offsets)}. lm_head is not touched.
+    Minutes on a CPU for a 135M model: a progress bar per layer on stderr unless `progress` is False."""
+    from tunesmith.progress import steps
+
     layers = model.model.layers
     inputs: list[tuple[tuple, dict]] = []
 
@@ -197,17 +201,19 @@ def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], plan: Plan,
         return outs
 
     done: dict[str, tuple] = {}
-    for li, layer in enumerate(layers):
-        linears = {}
-        for n, m in layer.named_modules():
-            if isinstance(m, torch.nn.Linear) and (p := plan(f"model.layers.{li}.{n}", m)) is not None:
-                linears[n] = (m, *p)
-        hessians = _hessians({n: v[0] for n, v in linears.items()}, run_all, layer, hidden)
-        for name, (m, grid, group) in linears.items():
-            q, s, o = gptq(m.weight, hessians[name], group, grid, damp)
-            m.weight.data = q.to(m.weight.dtype)
-            done[f"model.layers.{li}.{name}"] = (grid, group, s, o)
-        hidden = run_all(layer, hidden)  # through the quantized layer: the next layer's inputs
+    with steps(f"GPTQ on {len(calibration)} blocks, layer", len(layers), progress) as advance:
+        for li, layer in enumerate(layers):
+            linears = {}
+            for n, m in layer.named_modules():
+                if isinstance(m, torch.nn.Linear) and (p := plan(f"model.layers.{li}.{n}", m)) is not None:
+                    linears[n] = (m, *p)
+            hessians = _hessians({n: v[0] for n, v in linears.items()}, run_all, layer, hidden)
+            for name, (m, grid, group) in linears.items():
+                q, s, o = gptq(m.weight, hessians[name], group, grid, damp)
+                m.weight.data = q.to(m.weight.dtype)
+                done[f"model.layers.{li}.{name}"] = (grid, group, s, o)
+            hidden = run_all(layer, hidden)  # through the quantized layer: the next layer's inputs
+            advance()
     return done
 
 

@@ -1,7 +1,14 @@
-"""LoRA through PEFT: attach, count, load. The adapter folder is plain PEFT format."""
+"""LoRA through PEFT: attach, count, save, load. The adapter folder is plain PEFT format.
+
+An adapter folder also says which base model it needs: adapter_config.json's `base_model_name_or_path` holds a
+portable id (a built-in alias's hub id, a hub id, or the absolute path of a local model) that plain PEFT users see,
+and tunesmith-adapter.json holds the --model given at training (the alias itself for a built-in), which the verbs
+that take --adapter load when --model is not given.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -9,6 +16,7 @@ import torch
 from tunesmith.errors import TunesmithError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+BASE_FILE = "tunesmith-adapter.json"  # {"model": the --model the adapter was trained on}
 
 
 def attach_lora(
@@ -25,15 +33,45 @@ def attach_lora(
         raise TunesmithError(f"--lora-rank must be >= 1, got {rank}")
     if not 0.0 <= dropout < 1.0:
         raise TunesmithError(f"--lora-dropout must be in [0, 1), got {dropout}")
-    target_modules: list[str] | str = "all-linear" if list(targets) == ["all-linear"] else list(targets)
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    target_modules: list[str] | str = "all-linear" if targets == ["all-linear"] else targets
+    if target_modules != "all-linear":
+        check_targets(model, targets)
     config = LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
     )
     try:
         return get_peft_model(model, config)
     except ValueError as e:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise TunesmithError(f"--lora-targets {','.join(targets)}: {e}. Linear layers here: {', '.join(names)}") from None
+        raise TunesmithError(f"--lora-targets {','.join(targets)}: {e}. Linear layers here: "
+                             f"{', '.join(linear_names(model))}") from None
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what --lora-targets takes)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Every target must name at least one module, as PEFT matches a list entry: the whole name or its last parts.
+
+    PEFT itself only requires that one of them matches, so a typo would train the rest and be written into
+    adapter_config.json."""
+    import difflib
+
+    names = [n for n, _ in model.named_modules() if n]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not unmatched:
+        return
+    linear = linear_names(model)
+    hints = []
+    for t in unmatched:
+        close = difflib.get_close_matches(t.rsplit(".", 1)[-1], linear, n=1)
+        hints.append(f"{t} (did you mean {close[0]}?)" if close else t)
+    raise TunesmithError(
+        f"--lora-targets: {', '.join(hints)} match{'es' if len(unmatched) == 1 else ''} no module of this model; "
+        f"its linear layers are {', '.join(linear)} (or pass all-linear)"
+    )
 
 
 def trainable_parameters(model: torch.nn.Module) -> int:
@@ -60,12 +98,135 @@ def check_adapter_folder(path: str | Path) -> Path:
     return p
 
 
-def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = False):
-    """Apply a saved PEFT adapter to `model` (safetensors only)."""
+def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = False, base: str | None = None):
+    """Apply a saved PEFT adapter to `model` (safetensors only); `base` names the model for the error message."""
     from peft import PeftModel
 
     folder = check_adapter_folder(path)
     try:
         return PeftModel.from_pretrained(model, folder, is_trainable=trainable)
     except (ValueError, RuntimeError, KeyError) as e:
-        raise TunesmithError(f"could not apply adapter {folder}: {str(e).splitlines()[0]}") from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        detail = next((line for line in lines if line.startswith("size mismatch")), lines[0])
+        recorded, _ = recorded_base(folder)
+        if recorded and not (base and same_model(base, recorded)):
+            fix = f"it was trained on {recorded}: pass --model {recorded}, or leave --model out"
+        else:
+            fix = "pass --model with the model it was trained on"
+        raise TunesmithError(f"adapter {folder} does not fit the model {base or '(given)'} ({detail}); {fix}") from None
+
+
+# ------------------------------------------------------------------------------------------ the base model
+
+
+def base_record(spec: str) -> tuple[str, str]:
+    """(what tunesmith-adapter.json records, the portable id for adapter_config.json) for a --model spec.
+
+    A built-in alias is kept as itself and shown to PEFT as its hub id; a local folder or .gguf file as its absolute
+    path (the same model from any working directory); a hub id as it is."""
+    from tunesmith.models import BUILTIN_MODELS
+
+    if spec in BUILTIN_MODELS:
+        return spec, BUILTIN_MODELS[spec].hub_id
+    path = Path(spec).expanduser()
+    if path.exists():
+        return str(path.resolve()), str(path.resolve())
+    return spec, spec
+
+
+def adapter_config(model, base_spec: str | None) -> dict:
+    """The live model's adapter_config.json as a dict, its base model recorded portably (checkpoints write it)."""
+    config = model.peft_config["default"].to_dict()
+    config = json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    if base_spec:
+        config["base_model_name_or_path"] = base_record(base_spec)[1]
+    return config
+
+
+def base_file(base_spec: str) -> bytes:
+    """The bytes of tunesmith-adapter.json for an adapter trained on `base_spec`."""
+    return (json.dumps({"model": base_record(base_spec)[0]}, indent=2) + "\n").encode()
+
+
+def save_adapter(model, folder: str | Path, base_spec: str | None) -> Path:
+    """Save the adapter as PEFT does (safetensors), recording the base model it was trained on."""
+    folder = Path(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    if base_spec:
+        config_path = folder / ADAPTER_FILES[0]
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["base_model_name_or_path"] = base_record(base_spec)[1]  # PEFT wrote the loaded (cache) path
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (folder / BASE_FILE).write_bytes(base_file(base_spec))
+    return folder
+
+
+def recorded_base(adapter: str | Path) -> tuple[str | None, bool]:
+    """(the base model an adapter folder names, whether tunesmith recorded it) or (None, False)."""
+    folder = Path(adapter)
+    record = folder / BASE_FILE
+    if record.is_file():
+        try:
+            model = json.loads(record.read_text(encoding="utf-8")).get("model")
+        except (OSError, ValueError, AttributeError):
+            raise TunesmithError(f"{record} is unreadable; delete it and pass --model") from None
+        if isinstance(model, str) and model:
+            return model, True
+    try:
+        model = json.loads((folder / ADAPTER_FILES[0]).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None, False  # check_adapter_folder says what is wrong when the adapter is loaded
+    return (model, False) if isinstance(model, str) and model else (None, False)
+
+
+def base_model_for(model: str | None, adapter: str | Path | None) -> str:
+    """The model a verb loads: --model when given, else the one `adapter` was trained on, else the default.
+
+    A --model that is not the model tunesmith recorded for the adapter is refused, naming both."""
+    from tunesmith.config import DEFAULT_MODEL
+
+    recorded, ours = recorded_base(adapter) if adapter else (None, False)
+    if not model:
+        if recorded is None:
+            return DEFAULT_MODEL
+        if not ours and recorded.startswith(("/", ".", "~")) and not Path(recorded).expanduser().exists():
+            raise TunesmithError(
+                f"adapter {adapter} names its base model {recorded} (adapter_config.json), which is not on this "
+                "machine; pass --model with the model it was trained on"
+            )
+        return recorded
+    if recorded and ours and not same_model(model, recorded):
+        raise TunesmithError(
+            f"adapter {adapter} was trained on {recorded}, but --model is {model}; leave --model out to use "
+            f"{recorded}, or pass --model {recorded}"
+        )
+    return model
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model specs name the same model: equal after resolving aliases and paths, or two local folders
+    with the same config.json (a copy of the model)."""
+    if _model_key(a) == _model_key(b):
+        return True
+    configs = [Path(s).expanduser() / "config.json" for s in (a, b)]
+    if not all(c.is_file() for c in configs):
+        return False
+    return _architecture(configs[0]) == _architecture(configs[1])
+
+
+def _model_key(spec: str) -> str:
+    from tunesmith.models import BUILTIN_MODELS
+
+    if spec in BUILTIN_MODELS:
+        return BUILTIN_MODELS[spec].hub_id.lower()
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec.lower()  # hub ids are case-insensitive
+
+
+def _architecture(config_json: Path) -> dict:
+    try:
+        config = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"unreadable": str(config_json)}
+    ignored = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
+    return {k: v for k, v in config.items() if k not in ignored} if isinstance(config, dict) else {}

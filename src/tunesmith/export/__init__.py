@@ -48,8 +48,10 @@ def format_module(fmt: str):
 
 @contextlib.contextmanager
 def model_folder(model: str, adapter: str | None = None) -> Iterator[Path]:
-    """A local HF folder for `model`: as it is, or with `adapter` merged into a temporary folder (removed after)."""
-    from tunesmith.models import resolve_model
+    """A local HF folder for `model`: as it is, or with `adapter` merged into a temporary folder (removed after).
+    An empty `model` is the one the adapter was trained on (else the default model)."""
+    from tunesmith.lora import base_model_for
+    from tunesmith.models import hub_reachable, resolve_model
 
     if adapter:
         from tunesmith.merge import merge
@@ -57,12 +59,12 @@ def model_folder(model: str, adapter: str | None = None) -> Iterator[Path]:
         with tempfile.TemporaryDirectory(prefix="tunesmith-export-") as tmp:
             yield merge(model, adapter, str(Path(tmp) / "merged"))
         return
-    source = resolve_model(model)
+    source = resolve_model(base_model_for(model, None))
     if isinstance(source, str):  # a hub id: fetch its files once, as from_pretrained would
         try:
             from huggingface_hub import snapshot_download
 
-            source = Path(snapshot_download(source))
+            source = Path(snapshot_download(source, local_files_only=not hub_reachable()))  # offline: the cache
         except Exception as e:  # offline, unknown repo, gated: the hub client raises many kinds
             raise TunesmithError(f"could not fetch '{model}' from the hub ({e}); pass a local model folder") from None
     yield Path(source)
@@ -86,14 +88,17 @@ def export(cfg) -> Path:
 
 
 def calibration(model_dir: Path, cfg) -> list[list[int]]:
-    """--calibration-blocks token blocks spread over the training split of --data, tokenized as the model does."""
-    from tunesmith.data import load_data
+    """--calibration-blocks token blocks spread over the training split of --data, tokenized as the model does;
+    a status line on stderr names them."""
+    from tunesmith.data import describe_part, load_data, source_label
     from tunesmith.models import load_tokenizer
+    from tunesmith.progress import status
     from tunesmith.quantize import calibration_blocks
 
     data = load_data(cfg.data, load_tokenizer(str(model_dir)), cfg.seq_len, cfg.val_fraction)
     blocks = calibration_blocks(data.train, cfg.calibration_blocks)
     if not blocks:
-        raise TunesmithError(f"{cfg.data} has no training blocks to calibrate on; give more data, or "
+        raise TunesmithError(f"{source_label(cfg.data)} has no training blocks to calibrate on; give more data, or "
                              "--calibration-blocks 0 to round to nearest")
+    status(f"GPTQ calibrates on {describe_part(data, 'training part', blocks)} (--data, --calibration-blocks)")
     return blocks

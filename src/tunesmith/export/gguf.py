@@ -62,21 +62,25 @@ def export(
     group_size: int | None,
     max_seq_len: int,
     calibration: Sequence[Sequence[int]] | None = None,
+    progress: bool = True,
 ) -> Path:
     """Write `model_dir` (a plain HF folder) as one GGUF file; returns its path.
 
     `output` is the .gguf file, or a folder that receives model-<quant>.gguf. `max_seq_len` is not used: the
     file records the model's own context length, and llama.cpp picks the runtime context (-c). `calibration`
     (token blocks): q8_0 / q4_0 / q4_0_mixed decoder weights by GPTQ on them; None or empty: round to nearest.
+    GPTQ (minutes on a CPU) and the tensors being written show progress bars on stderr unless `progress` is False.
     """
     import gguf
+
+    from tunesmith.progress import steps
 
     qname = check_quant(quant, group_size)
     model_dir = Path(model_dir)
     config = _llama_config(model_dir)
     chosen, method = {}, "round to nearest"
     if calibration and qname in CALIBRATED:
-        chosen = gptq_blocks(model_dir, config, qname, calibration)
+        chosen = gptq_blocks(model_dir, config, qname, calibration, progress)
         method = f"gptq (act-order, static groups, sequential), {len(calibration)} calibration blocks"
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,8 +93,10 @@ def export(
         if qname.startswith("q"):
             writer.add_string(METHOD_KEY, method)
         _add_tokenizer(writer, model_dir, config.vocab_size)
-        for name, data, qtype in _tensors(model_dir, config, qname, chosen):
-            writer.add_tensor(name, data, raw_dtype=qtype)
+        with steps(f"{path.name}: {qname} tensors", _tensor_count(model_dir, config), progress) as advance:
+            for name, data, qtype in _tensors(model_dir, config, qname, chosen):
+                writer.add_tensor(name, data, raw_dtype=qtype)
+                advance()
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -206,6 +212,21 @@ def _tensor_type(name: str, data: np.ndarray, qname: str, n_layers: int):
     return T.Q4_0
 
 
+def _skipped(key: str, config) -> bool:
+    """Weights a GGUF file does not hold: rotary tables (recomputed) and a tied output head (the embedding)."""
+    return key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def _tensor_count(model_dir: Path, config) -> int:
+    from safetensors import safe_open
+
+    count = 0
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            count += sum(1 for key in f.keys() if not _skipped(key, config))
+    return count
+
+
 def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | None = None):
     """(GGUF name, data, GGML type) for every weight, in file order, quantized where the file type says so.
 
@@ -221,9 +242,7 @@ def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | Non
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq") or (
-                    key == "lm_head.weight" and config.tie_word_embeddings
-                ):
+                if _skipped(key, config):
                     continue
                 name = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if name is None:
@@ -253,7 +272,7 @@ def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | Non
 
 
 def gptq_blocks(
-    model_dir: Path, config, qname: str, calibration: Sequence[Sequence[int]]
+    model_dir: Path, config, qname: str, calibration: Sequence[Sequence[int]], progress: bool = True
 ) -> dict[str, tuple]:
     """GPTQ over the decoder layers on the grid each matrix gets in a `qname` file (q4_0_mixed: Q8_0 for MIXED_Q8
     and the last block, Q4_0 for the rest): HF weight name -> (GGML type, int8 codes, fp16 scales [out, in / 32]).
@@ -280,7 +299,7 @@ def gptq_blocks(
         return grids[qtype], BLOCK
 
     model, _ = load_model(str(model_dir), "cpu", torch.float32)
-    done = gptq.gptq_decoder_layers(model, calibration, plan)
+    done = gptq.gptq_decoder_layers(model, calibration, plan, progress=progress)
     chosen = {}
     for module, (grid, group, scales, offsets) in done.items():
         deq = model.get_submodule(module).weight.detach()
