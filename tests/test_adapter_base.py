@@ -38,7 +38,7 @@ def test_train_records_the_base_in_the_adapter_and_in_every_checkpoint(tmp_path,
     from tunesmith.train import train
 
     r = train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=2, checkpoint_every=1, keep=0),
-              progress=False, report=False)
+              progress=False)
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
     assert len(checkpoints) == 2
     for folder in [r.adapter_dir, *checkpoints]:

@@ -68,7 +68,7 @@ def test_schedule_warms_up_then_decays_to_a_tenth():
 
 
 @pytest.mark.parametrize("kw,msg", [({"grad_accum": 0}, "--grad-accum"), ({"max_steps": 0}, "--max-steps"),
-                                    ({"lora_targets": ["nope_proj"]}, "Linear layers here")])
+                                    ({"lora_targets": ["nope_proj"]}, "its linear layers are")])
 def test_bad_settings_are_clear_errors(tmp_path, tiny_dir, text_file, tokenizer, kw, msg):
     with pytest.raises(TunesmithError, match=msg):
         _run(tmp_path, tiny_dir, text_file, tokenizer, **kw)
