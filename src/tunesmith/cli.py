@@ -53,7 +53,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
         names = [C.flag(n) for n in C.names_of(f)]  # --max-steps, and mlx-lm's --iters
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = ",".join(default) if isinstance(default, list) else default
-        kw: dict = {"help": f"{f.metadata.get('help', '')} (default: {shown})", "default": argparse.SUPPRESS,
+        takes = f"; must be {f.metadata['bounds']}" if "bounds" in f.metadata else ""
+        kw: dict = {"help": f"{f.metadata.get('help', '')} (default: {shown}{takes})", "default": argparse.SUPPRESS,
                     "dest": f.name}
         hint = hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)

@@ -141,7 +141,8 @@ class Config:
         """Rules between fields (one field's bounds are in its metadata); a stage that has some overrides this."""
 
 
-ADAPTER_HELP = "LoRA adapter folder (PEFT format), or the run folder that holds it in adapter/"
+def adapter_help(purpose: str) -> str:
+    return f"LoRA adapter folder (PEFT format) {purpose}, or the run folder that holds it in adapter/"
 
 
 @dataclass
@@ -213,7 +214,7 @@ class TrainConfig(DataConfig, ModelConfig):
 
 @dataclass
 class GenerateConfig(ModelConfig):
-    adapter: str | None = opt(None, ADAPTER_HELP + " to apply", type=adapter_value, aliases=("adapter_path",))
+    adapter: str | None = opt(None, adapter_help("to apply"), type=adapter_value, aliases=("adapter_path",))
     prompt: str = opt("ROMEO:", "the prompt; - reads it from stdin")
     max_tokens: int = opt(100, "tokens to generate", bounds=AT_LEAST_1)
     temperature: float = opt(0.0, "sampling temperature; 0 is greedy", bounds=COUNT)
@@ -229,14 +230,14 @@ class GenerateConfig(ModelConfig):
 
 @dataclass
 class EvalConfig(DataConfig, ModelConfig):
-    adapter: str | None = opt(None, ADAPTER_HELP + " to apply", type=adapter_value, aliases=("adapter_path",))
+    adapter: str | None = opt(None, adapter_help("to apply"), type=adapter_value, aliases=("adapter_path",))
     batch_size: int = opt(4, "examples per forward pass", bounds=AT_LEAST_1)
     max_batches: int = opt(0, "evaluate at most this many batches (0: the whole validation split)", bounds=COUNT)
 
 
 @dataclass
 class MergeConfig(ModelConfig):
-    adapter: str = opt("", ADAPTER_HELP + " to merge into the model", type=adapter_value, aliases=("adapter_path",))
+    adapter: str = opt("", adapter_help("to merge into the model"), type=adapter_value, aliases=("adapter_path",))
     output: str = opt("", "folder for the merged model (safetensors + config + tokenizer)")
     dtype: str = opt("float32", "dtype of the saved weights", choices=["float32", "bfloat16", "float16"])
 
@@ -294,7 +295,7 @@ class FitConfig(ModelConfig):
 class ParityConfig(ModelConfig):
     """`tunesmith parity`: the same prompts on --device and on the CPU (fp32), compared."""
 
-    adapter: str | None = opt(None, ADAPTER_HELP + " to apply on both sides", type=adapter_value,
+    adapter: str | None = opt(None, adapter_help("to apply on both sides"), type=adapter_value,
                               aliases=("adapter_path",))
     prompts: str | None = opt(None, "text file with one prompt per line (default: a few built-in prompts)")
     max_tokens: int = opt(32, "greedy tokens generated per prompt on each side (0: compare the logits only)", bounds=COUNT)
@@ -307,7 +308,7 @@ class QuantizeConfig(DataConfig):
     """`tunesmith quantize`: weight-only int8 / int4 through torchao, for eager inference; a folder generate/eval load."""
 
     model: str = same_as(ModelConfig, "model")
-    adapter: str | None = opt(None, ADAPTER_HELP + " to merge before quantizing", type=adapter_value,
+    adapter: str | None = opt(None, adapter_help("to merge before quantizing"), type=adapter_value,
                               aliases=("adapter_path",))
     scheme: str = opt("int8", "int8 (per output channel) or int4 (group-wise) weights", choices=["int8", "int4"])
     group_size: int = opt(32, "int4: weights per quantization group", choices=[32, 64, 128])
@@ -327,7 +328,7 @@ class ExportConfig(Config):
     """`tunesmith export`: a model (or model + adapter) -> an on-device artifact."""
 
     model: str = opt(DEFAULT_MODEL, "model to export: a merged HF folder, a built-in alias, a .gguf file or a hub id")
-    adapter: str | None = opt(None, ADAPTER_HELP + " to merge on the fly before exporting", type=adapter_value,
+    adapter: str | None = opt(None, adapter_help("to merge on the fly before exporting"), type=adapter_value,
                               aliases=("adapter_path",))
     format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder) or coreml (.mlpackage)",
                       choices=["pte", "gguf", "mlx", "coreml"])
