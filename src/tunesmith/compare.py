@@ -83,7 +83,7 @@ def pte_perplexity(pte, examples: Sequence[Example]) -> float | None:
 
 
 def score_pte(path: Path, examples: Sequence[Example], prompts: Sequence[str], max_tokens: int) -> Rung:
-    from tunesmith.run import PteModel, stream_generate_pte
+    from tunesmith.pte_runtime import PteModel, stream_generate_pte
 
     pte = PteModel(path)
     quant, group = pte.meta.get("quant", "?"), pte.meta.get("group_size")

@@ -1,11 +1,16 @@
 """One dataclass per stage. Every default is defined here, once; the CLI and YAML files are built from these.
 
 Precedence: dataclass default < YAML file (``--config run.yaml``) < command-line flag.
+
+Every value is checked where it enters, in one place (`parse_value`): a flag when argparse reads it, a YAML value when
+the file is read, and a config built in Python when it is constructed (`Config.__post_init__`). A bad value is one
+`TunesmithError` that names the flag: "--lr must be > 0, got -1".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,19 +26,61 @@ DEFAULT_DATA = "shakespeare"
 DEMO_PROMPTS = ("ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow, lords,")  # the demo's samples and ladder
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric field allows; str() reads as the error says it: '> 0', '>= 1', 'in [0, 1)'."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is excluded
+    hi_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        above = self.lo is None or (x > self.lo if self.lo_open else x >= self.lo)
+        below = self.hi is None or (x < self.hi if self.hi_open else x <= self.hi)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {_show(self.lo)}"
+        return f"in {'(' if self.lo_open else '['}{_show(self.lo)}, {_show(self.hi)}{')' if self.hi_open else ']'}"
+
+
+POSITIVE = Bounds(0, lo_open=True)  # > 0: rates, scales, epochs
+COUNT = Bounds(0)  # >= 0, where 0 means off / all / no limit (the help says which)
+AT_LEAST_1 = Bounds(1)  # sizes and step counts that must do something
+FRACTION = Bounds(0, 1, hi_open=True)  # [0, 1): dropout, a held-out share
+SEED = Bounds(0, 2**32 - 1)  # numpy's seed range, which accelerate's set_seed passes it to
+
+
+def _show(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else repr(x) if isinstance(x, str) else str(x)
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a field: max_steps -> --max-steps."""
+    return "--" + name.replace("_", "-")
+
+
 def opt(default: Any, help: str, **meta: Any) -> Any:
-    """A config field: its default and its --help text (and optional argparse extras: choices, metavar)."""
+    """A config field: its default and its --help text, and optional extras: bounds (a Bounds), aliases (other
+    names a flag or YAML key may use, e.g. mlx-lm's), and argparse's choices, metavar, nargs, const, type."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
 
 
-def same_as(cls: type, name: str) -> Any:
-    """Another stage's field, default and help included: a planner flag means what the trainer flag means."""
+def same_as(cls: type, name: str, **changes: Any) -> Any:
+    """Another stage's field, its default, help, bounds and aliases included (a planner flag means what the trainer
+    flag means); `changes` replace some of them (default=, help=, aliases=)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    if f.default_factory is not dataclasses.MISSING:
-        return field(default_factory=f.default_factory, metadata=f.metadata)
-    return field(default=f.default, metadata=f.metadata)
+    meta = {**f.metadata, **changes}
+    default = meta.pop("default", f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    return opt(default, meta.pop("help"), **meta)
+
+
+# A field's `type` turns a flag's text or a YAML value into the field's value; it raises ValueError with the end of a
+# sentence that starts with the flag's name ("--batch-size must be ..."), and parse_value adds the name.
 
 
 def batch_size_value(value: str | int) -> int | str:
@@ -41,27 +88,24 @@ def batch_size_value(value: str | int) -> int | str:
     if value == "auto":
         return "auto"
     try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise TunesmithError(f"batch size must be a positive integer or 'auto', got {value!r}") from None
-    if n < 1:
-        raise TunesmithError(f"batch size must be >= 1, got {n}")
-    return n
+        return _number(int, value)
+    except ValueError:
+        raise ValueError(f"must be a positive integer or 'auto', got {value!r}") from None
 
 
 def resume_value(value: bool | str) -> bool | str:
     """--resume: true (the newest complete checkpoint in --output), false, or a checkpoint or run folder."""
     if isinstance(value, bool) or (isinstance(value, str) and value):
         return value
-    raise TunesmithError(f"resume must be true, false or a checkpoint folder, got {value!r}")
+    raise ValueError(f"must be true, false or a checkpoint folder, got {value!r}")
 
 
 def targets_value(value: str | list[str]) -> list[str]:
     """LoRA target modules: a comma-separated string or a list; 'all-linear' targets every linear layer."""
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
-    if not value or not all(isinstance(v, str) for v in value):
-        raise TunesmithError("--lora-targets needs module names, e.g. q_proj,v_proj or all-linear")
+    if not value or not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("needs module names, e.g. q_proj,v_proj or all-linear")
     return list(value)
 
 
@@ -70,7 +114,7 @@ def list_value(value: str | list[str]) -> list[str]:
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise TunesmithError(f"expected a comma-separated list, got {value!r}")
+        raise ValueError(f"must be a comma-separated list, got {value!r}")
     return list(value)
 
 
@@ -80,8 +124,35 @@ def adapter_base_model() -> Any:
                f"(default: the one --adapter was trained on, else {DEFAULT_MODEL})")
 
 
+def adapter_value(value: str | None) -> str | None:
+    """An adapter folder, or a run folder that holds one in adapter/ (what train --output / --adapter-path wrote)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"must be a folder, got {value!r}")
+    inner = Path(value) / "adapter"
+    if value and not (Path(value) / "adapter_config.json").is_file() and (inner / "adapter_config.json").is_file():
+        return str(inner)
+    return value
+
+
+class Config:
+    """What every stage config shares: its values are checked when it is built, however it is built."""
+
+    def __post_init__(self) -> None:
+        check_values(type(self), **{f.name: getattr(self, f.name) for f in fields_of(type(self))})
+        self.check()
+
+    def check(self) -> None:
+        """Rules between fields (one field's bounds are in its metadata); a stage that has some overrides this."""
+
+
+def adapter_help(purpose: str) -> str:
+    return f"LoRA adapter folder (PEFT format) {purpose}, or the run folder that holds it in adapter/"
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Config):
     """What every stage that loads a model shares."""
 
     model: str = opt(DEFAULT_MODEL, "model: a built-in alias, a local HF folder, a .gguf file, or a hub id")
@@ -89,42 +160,50 @@ class ModelConfig:
     precision: str = opt(
         "auto", "compute precision: auto (bf16 where supported, else fp16, else fp32)", choices=["auto", "fp32", "bf16", "fp16"]
     )
-    seed: int = opt(0, "random seed (data order, LoRA init and dropout, sampling)")
+    seed: int = opt(0, "random seed (data order, LoRA init and dropout, sampling)", bounds=SEED)
     trust_remote_code: bool = opt(False, "allow a hub model to run its own Python code (off unless you trust it)")
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Config):
     data: str = opt(DEFAULT_DATA, "data: .txt, .jsonl, a folder with train.jsonl/valid.jsonl, or shakespeare / tinyshakespeare")
-    seq_len: int = opt(256, "tokens per training example (longer records are truncated)")
-    val_fraction: float = opt(0.05, "fraction of the data held out for validation when no valid.jsonl exists")
+    seq_len: int = opt(256, "tokens per training example (longer records are truncated)", bounds=Bounds(2),
+                       aliases=("max_seq_length",))
+    val_fraction: float = opt(0.05, "fraction of the data held out for validation when no valid.jsonl exists",
+                              bounds=FRACTION)
 
 
 @dataclass
 class TrainConfig(DataConfig, ModelConfig):
-    output: str = opt("runs/train", "run folder: adapter, metrics.jsonl and the resolved config land here")
-    max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides --epochs)")
-    epochs: float = opt(1.0, "passes over the training data when --max-steps is not given")
-    batch_size: int | str = opt(4, "micro-batch size, or 'auto' to take the largest that the fit planner says fits", type=batch_size_value)
-    grad_accum: int = opt(1, "micro-batches per optimizer step (effective batch = batch-size x grad-accum)")
-    lr: float = opt(2e-4, "peak learning rate (AdamW)")
-    warmup_steps: int = opt(10, "linear warm-up steps before the cosine decay")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    max_grad_norm: float = opt(1.0, "clip the gradient norm to this (0 disables)")
-    lora_rank: int = opt(8, "LoRA rank r")
-    lora_alpha: float = opt(16.0, "LoRA alpha (scale = alpha / r)")
-    lora_dropout: float = opt(0.05, "dropout on the LoRA input")
+    output: str = opt("runs/train", "run folder: adapter, metrics.jsonl and the resolved config land here",
+                      aliases=("adapter_path",))
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides --epochs)", bounds=AT_LEAST_1,
+                                aliases=("iters",))
+    epochs: float = opt(1.0, "passes over the training data when --max-steps is not given", bounds=POSITIVE)
+    batch_size: int | str = opt(4, "micro-batch size, or 'auto' to take the largest that the fit planner says fits",
+                                type=batch_size_value, bounds=AT_LEAST_1)
+    grad_accum: int = opt(1, "micro-batches per optimizer step (effective batch = batch-size x grad-accum)", bounds=AT_LEAST_1)
+    lr: float = opt(2e-4, "peak learning rate (AdamW)", bounds=POSITIVE, aliases=("learning_rate",))
+    warmup_steps: int = opt(10, "linear warm-up steps before the cosine decay", bounds=COUNT)
+    weight_decay: float = opt(0.0, "AdamW weight decay", bounds=COUNT)
+    max_grad_norm: float = opt(1.0, "clip the gradient norm to this (0 disables)", bounds=COUNT)
+    lora_rank: int = opt(8, "LoRA rank r", bounds=AT_LEAST_1)
+    lora_alpha: float = opt(16.0, "LoRA alpha (scale = alpha / r)", bounds=POSITIVE)
+    lora_dropout: float = opt(0.05, "dropout on the LoRA input", bounds=FRACTION)
     lora_targets: list[str] = opt(["q_proj", "v_proj"], "modules to adapt, comma-separated, or all-linear", type=targets_value)
-    eval_every: int = opt(50, "evaluate on the validation split every N steps (0: only at the end)")
-    eval_batches: int = opt(0, "validation batches per evaluation (0: the whole split)")
-    log_every: int = opt(1, "write a metrics.jsonl line every N steps")
+    eval_every: int = opt(50, "evaluate on the validation split every N steps (0: only at the end)", bounds=COUNT)
+    eval_batches: int = opt(0, "validation batches per evaluation (0: the whole split)", bounds=COUNT)
+    log_every: int = opt(1, "write a metrics.jsonl line every N steps", bounds=AT_LEAST_1)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
     time_budget: float = opt(
-        0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)"
+        0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",
+        bounds=COUNT,
     )
-    min_steps: int = opt(0, "the time budget never cuts the run below this many steps (--max-steps still caps it)")
-    checkpoint_every: int = opt(50, "save a resumable checkpoint every N optimizer steps, and at the end (0: only at the end)")
-    keep: int = opt(2, "checkpoints to keep, newest first (0: all); old ones go only after a new one is saved")
+    min_steps: int = opt(0, "the time budget never cuts the run below this many steps (--max-steps still caps it)",
+                         bounds=COUNT)
+    checkpoint_every: int = opt(50, "save a resumable checkpoint every N optimizer steps, and at the end (0: only at the end)",
+                                bounds=COUNT)
+    keep: int = opt(2, "checkpoints to keep, newest first (0: all); old ones go only after a new one is saved", bounds=COUNT)
     resume: bool | str = opt(
         False, "continue from the newest complete checkpoint in --output, or from the checkpoint folder PATH",
         type=resume_value, nargs="?", const=True, metavar="PATH",
@@ -136,7 +215,8 @@ class TrainConfig(DataConfig, ModelConfig):
         "warn", "when --resume finds settings that differ from the checkpoint's: warn and go on, or refuse",
         choices=["warn", "refuse"],
     )
-    max_bad_steps: int = opt(5, "stop after this many steps in a row with a NaN/inf loss or gradient (each is skipped)")
+    max_bad_steps: int = opt(5, "stop after this many steps in a row with a NaN/inf loss or gradient (each is skipped)",
+                             bounds=AT_LEAST_1)
     allow_pickle: bool = opt(
         False, "let --model load pickle weights (.bin/.pt, read with weights_only=True) when it has no safetensors; "
         "pickle files can run code"
@@ -146,20 +226,26 @@ class TrainConfig(DataConfig, ModelConfig):
 @dataclass
 class GenerateConfig(ModelConfig):
     model: str = adapter_base_model()
-    adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply")
-    prompt: str = opt("ROMEO:", "the prompt")
-    max_tokens: int = opt(100, "tokens to generate")
-    temperature: float = opt(0.0, "sampling temperature; 0 is greedy")
-    top_p: float = opt(1.0, "nucleus sampling: keep the smallest set of tokens whose probability reaches this")
+    adapter: str | None = opt(None, adapter_help("to apply"), type=adapter_value, aliases=("adapter_path",))
+    prompt: str = opt("ROMEO:", "the prompt; - reads it from stdin")
+    max_tokens: int = opt(100, "tokens to generate", bounds=AT_LEAST_1)
+    temperature: float = opt(0.0, "sampling temperature; 0 is greedy", bounds=COUNT)
+    top_p: float = opt(1.0, "nucleus sampling: keep the smallest set of tokens whose probability reaches this",
+                       bounds=Bounds(0, 1, lo_open=True))
     chat: bool = opt(False, "wrap the prompt in the model's chat template")
+    system: str | None = opt(None, "with --chat: a system message before the prompt")
+
+    def check(self) -> None:
+        if self.system is not None and not self.chat:
+            raise TunesmithError("--system is a message of the chat template; add --chat")
 
 
 @dataclass
 class EvalConfig(DataConfig, ModelConfig):
     model: str = adapter_base_model()
-    adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply")
-    batch_size: int = opt(4, "examples per forward pass")
-    max_batches: int = opt(0, "evaluate at most this many batches (0: the whole split)")
+    adapter: str | None = opt(None, adapter_help("to apply"), type=adapter_value, aliases=("adapter_path",))
+    batch_size: int = opt(4, "examples per forward pass", bounds=AT_LEAST_1)
+    max_batches: int = opt(0, "evaluate at most this many batches (0: the whole split)", bounds=COUNT)
     split: str = opt("valid", "what to score: valid (the held-out part: valid.jsonl, or the last --val-fraction of a "
                      "file), train, or all (the whole data)", choices=["valid", "train", "all"])
 
@@ -167,7 +253,7 @@ class EvalConfig(DataConfig, ModelConfig):
 @dataclass
 class MergeConfig(ModelConfig):
     model: str = adapter_base_model()
-    adapter: str = opt("", "LoRA adapter folder (PEFT format) to merge into the model")
+    adapter: str = opt("", adapter_help("to merge into the model"), type=adapter_value, aliases=("adapter_path",))
     output: str = opt("", "folder for the merged model (safetensors + config + tokenizer)")
     dtype: str = opt("float32", "dtype of the saved weights", choices=["float32", "bfloat16", "float16"])
 
@@ -179,26 +265,34 @@ class DemoConfig(TrainConfig):
     name: str = opt("demo", "run name: everything lands in <runs-dir>/<name>/")
     runs_dir: str = opt("runs", "folder that holds the runs")
     output: str = opt("", "run folder (default: <runs-dir>/<name>)")
-    lr: float = opt(3e-3, "peak learning rate (AdamW); high because the demo trains for minutes (bench/demo_sweep.py)")
-    warmup_steps: int = opt(5, "linear warm-up steps before the cosine decay")
-    max_steps: int | None = opt(120, "optimizer steps (the time budget may stop it earlier)")
-    batch_size: int | str = opt(4, "micro-batch size", type=batch_size_value)
-    time_budget: float = opt(300.0, "seconds of training to aim for; the step count is cut to fit the device")
-    min_steps: int = opt(
-        40, "steps trained however slow the machine (the held-out drop passes 25% by step 20: docs/PERFORMANCE.md)"
+    lr: float = same_as(
+        TrainConfig, "lr", default=3e-3,
+        help="peak learning rate (AdamW); high because the demo trains for minutes (bench/demo_sweep.py)",
+    )
+    warmup_steps: int = same_as(TrainConfig, "warmup_steps", default=5)
+    max_steps: int | None = same_as(TrainConfig, "max_steps", default=120,
+                                    help="optimizer steps (the time budget may stop it earlier)")
+    batch_size: int | str = same_as(TrainConfig, "batch_size", help="micro-batch size")
+    time_budget: float = same_as(TrainConfig, "time_budget", default=300.0,
+                                 help="seconds of training to aim for; the step count is cut to fit the device")
+    min_steps: int = same_as(
+        TrainConfig, "min_steps", default=40,
+        help="steps trained however slow the machine (held-out perplexity falls by a quarter by step 20: docs/PERFORMANCE.md)",
     )
     overwrite: bool = opt(True, "replace the earlier demo run in <runs-dir>/<name> (--no-overwrite refuses instead)")
-    eval_batches: int = opt(8, "validation batches for the before/after perplexity")
-    eval_every: int = opt(0, "evaluate every N steps during training (0: only at the end)")
-    sample_tokens: int = opt(60, "tokens per before/after sample")
-    sample_temperature: float = opt(0.7, "temperature of the before/after samples")
+    eval_batches: int = same_as(TrainConfig, "eval_batches", default=8,
+                                help="validation batches for the before/after perplexity")
+    eval_every: int = same_as(TrainConfig, "eval_every", default=0,
+                              help="evaluate every N steps during training (0: only at the end)")
+    sample_tokens: int = opt(60, "tokens per before/after sample", bounds=AT_LEAST_1)
+    sample_temperature: float = opt(0.7, "temperature of the before/after samples", bounds=COUNT)
     ship: bool = opt(
         False, "finish by exporting a 4-bit .pte and printing the quality ladder (needs tunesmith[ship]; minutes on a CPU)"
     )
 
 
 @dataclass
-class ReportConfig:
+class ReportConfig(Config):
     run_dir: str = opt("", "run folder written by train or demo (holds metrics.jsonl)", positional=True)
     output: str = opt("", "HTML file to write; empty means <run-dir>/report.html")
 
@@ -214,7 +308,8 @@ class FitConfig(ModelConfig):
     lora_dropout: float = same_as(TrainConfig, "lora_dropout")
     gradient_checkpointing: bool = same_as(TrainConfig, "gradient_checkpointing")
     optimizer: str = opt("adamw", "optimizer whose state to count (train uses AdamW)", choices=["adamw", "sgd"])
-    memory_gib: float = opt(0.0, "plan for a machine with this much memory instead of this one (0: this device)")
+    memory_gib: float = opt(0.0, "plan for a machine with this much memory instead of this one (0: this device)",
+                            bounds=COUNT)
 
 
 @dataclass
@@ -222,11 +317,12 @@ class ParityConfig(ModelConfig):
     """`tunesmith parity`: the same prompts on --device and on the CPU (fp32), compared."""
 
     model: str = adapter_base_model()
-    adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply on both sides")
+    adapter: str | None = opt(None, adapter_help("to apply on both sides"), type=adapter_value,
+                              aliases=("adapter_path",))
     prompts: str | None = opt(None, "text file with one prompt per line (default: a few built-in prompts)")
-    max_tokens: int = opt(32, "greedy tokens generated per prompt on each side")
-    tolerance: float = opt(0.0, "largest mean relative logit difference allowed (0: the default for the precision)")
-
+    max_tokens: int = opt(32, "greedy tokens generated per prompt on each side (0: compare the logits only)", bounds=COUNT)
+    tolerance: float = opt(0.0, "largest mean relative logit difference allowed (0: the default for the precision)",
+                           bounds=COUNT)
 
 
 @dataclass
@@ -234,43 +330,47 @@ class QuantizeConfig(DataConfig):
     """`tunesmith quantize`: weight-only int8 / int4 through torchao, for eager inference; a folder generate/eval load."""
 
     model: str = adapter_base_model()
-    adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to merge before quantizing")
+    adapter: str | None = opt(None, adapter_help("to merge before quantizing"), type=adapter_value,
+                              aliases=("adapter_path",))
     scheme: str = opt("int8", "int8 (per output channel) or int4 (group-wise) weights", choices=["int8", "int4"])
     group_size: int = opt(32, "int4: weights per quantization group", choices=[32, 64, 128])
     output: str = opt("", "folder for the quantized model (config, tokenizer, weights, tunesmith-quant.json)")
-    calibration_blocks: int = opt(64, "int4: training blocks GPTQ calibrates on (0: round to nearest, no data)")
+    calibration_blocks: int = opt(64, "int4: training blocks GPTQ calibrates on (0: round to nearest, no data)",
+                                  bounds=COUNT)
     grid: str = opt("affine", "int4: affine (a scale and a float offset per group) or symmetric (a scale per group)",
                     choices=["affine", "symmetric"])
     keep_8bit: str = opt("v_proj", "int4: comma-separated linear names kept int8 per channel ('' for none)")
-    eval_blocks: int = opt(16, "held-out blocks to compare float and quantized perplexity on (0: skip the check)")
-    max_tokens: int = opt(32, "greedy tokens generated to time float vs quantized decoding")
+    eval_blocks: int = opt(16, "held-out blocks to compare float and quantized perplexity on (0: skip the check)",
+                           bounds=COUNT)
+    max_tokens: int = opt(32, "greedy tokens generated to time float vs quantized decoding (0: skip)", bounds=COUNT)
 
 
 @dataclass
-class ExportConfig:
+class ExportConfig(Config):
     """`tunesmith export`: a model (or model + adapter) -> an on-device artifact."""
 
     model: str = opt("", "model to export: a merged HF folder, a built-in alias, a .gguf file or a hub id "
                      f"(default: the one --adapter was trained on, else {DEFAULT_MODEL})")
-    adapter: str | None = opt(None, "LoRA adapter folder to merge on the fly before exporting")
+    adapter: str | None = opt(None, adapter_help("to merge on the fly before exporting"), type=adapter_value,
+                              aliases=("adapter_path",))
     format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder) or coreml (.mlpackage)",
                       choices=["pte", "gguf", "mlx", "coreml"])
     output: str = opt("", "file or folder to write, e.g. ship/model.pte")
     quant: str = opt("fp32", "weights: pte fp32|8w|8da4w; gguf f32|f16|q8_0|q4_1|q4_0|q4_0_mixed; "
                              "mlx fp32|bf16|fp16|8bit|4bit; coreml fp32|fp16|int8|int4")
-    group_size: int = opt(32, "weights per quantization group for the 4-bit schemes")
-    max_seq_len: int = opt(256, "longest sequence (prompt + generated tokens) the artifact can hold")
+    group_size: int = opt(32, "weights per quantization group for the 4-bit schemes", bounds=AT_LEAST_1)
+    max_seq_len: int = opt(256, "longest sequence (prompt + generated tokens) the artifact can hold", bounds=Bounds(2))
     calibration_blocks: int = opt(
         64, "gguf q8_0|q4_0|q4_0_mixed: training blocks of --data that GPTQ calibrates the decoder weights on "
-        "(0: round to nearest, no data); other formats and quants ignore it"
+        "(0: round to nearest, no data); other formats and quants ignore it", bounds=COUNT,
     )
     data: str = same_as(DataConfig, "data")
-    seq_len: int = same_as(DataConfig, "seq_len")
+    seq_len: int = same_as(DataConfig, "seq_len", aliases=())  # beside --max-seq-len, mlx-lm's name would mislead
     val_fraction: float = same_as(DataConfig, "val_fraction")
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Config):
     """`tunesmith run model.pte`: generate with the ExecuTorch runtime and the tokenizer saved beside the .pte."""
 
     pte: str = opt("", "the .pte file written by `tunesmith export --format pte`", positional=True)
@@ -279,7 +379,10 @@ class RunConfig:
     temperature: float = same_as(GenerateConfig, "temperature")
     top_p: float = same_as(GenerateConfig, "top_p")
     chat: bool = same_as(GenerateConfig, "chat")
+    system: str | None = same_as(GenerateConfig, "system")
     seed: int = same_as(ModelConfig, "seed")
+
+    check = GenerateConfig.check
 
 
 @dataclass
@@ -293,9 +396,9 @@ class CompareConfig(DataConfig):
                          type=list_value)
     group_size: int = same_as(QuantizeConfig, "group_size")
     calibration_blocks: int = same_as(QuantizeConfig, "calibration_blocks")
-    eval_blocks: int = opt(16, "held-out blocks of --seq-len tokens that every rung is scored on")
+    eval_blocks: int = opt(16, "held-out blocks of --seq-len tokens that every rung is scored on", bounds=AT_LEAST_1)
     prompts: str | None = opt(None, "text file with one prompt per line, \\n for a newline (default: the demo's prompts)")
-    max_tokens: int = opt(40, "greedy tokens generated per prompt")
+    max_tokens: int = opt(40, "greedy tokens generated per prompt", bounds=AT_LEAST_1)
 
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -304,8 +407,47 @@ def fields_of(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init]
 
 
-def _coerce(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any:
-    """Check a YAML value against the field's annotation and convert what YAML cannot express."""
+def check_bounds(f: dataclasses.Field, value: Any) -> None:
+    """Raise ValueError('must be > 0, got -1') when a number is outside the field's bounds ('auto', None pass)."""
+    bounds = f.metadata.get("bounds")
+    if bounds is not None and isinstance(value, int | float) and not isinstance(value, bool) and value not in bounds:
+        raise ValueError(f"must be {bounds}, got {_show(value)}")
+
+
+def check_values(cls: type, **values: Any) -> None:
+    """Check values of `cls`'s fields against their bounds, as a flag is checked (for code that takes them one by
+    one, such as generate.decode)."""
+    fields = {f.name: f for f in fields_of(cls)}
+    for name, value in values.items():
+        try:
+            check_bounds(fields[name], value)
+        except ValueError as e:
+            raise TunesmithError(f"{flag(name)} {e}") from None
+
+
+def _number(base: type, value: Any) -> int | float:
+    """A flag's text or a YAML value as an int or a float. YAML 1.1 reads `1e-3` (no dot) as a string, and that is
+    how mlx-lm's and axolotl's configs write learning rates, so numeric strings are numbers here."""
+    what = "an integer" if base is int else "a number"
+    x = value
+    if isinstance(x, str):
+        try:
+            x = int(x.strip())
+        except ValueError:
+            try:
+                x = float(x)
+            except ValueError:
+                raise ValueError(f"must be {what}, got {value!r}") from None
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        raise ValueError(f"must be {what}, got {value!r}")
+    if base is int:
+        if isinstance(x, float) and not x.is_integer():
+            raise ValueError(f"must be {what}, got {value!r}")
+        return int(x)
+    return float(x)
+
+
+def _convert(f: dataclasses.Field, hint: Any, value: Any) -> Any:
     if "type" in f.metadata:
         return f.metadata["type"](value)
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
@@ -314,19 +456,33 @@ def _coerce(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any:
     base = next((a for a in args if a is not type(None)), hint)
     if base is bool:
         if not isinstance(value, bool):
-            raise TunesmithError(f"{where}: '{f.name}' must be true or false, got {value!r}")
+            raise ValueError(f"must be true or false, got {value!r}")
         return value
     if base in (int, float):
-        if isinstance(value, bool) or not isinstance(value, int | float) or (base is int and isinstance(value, float)):
-            raise TunesmithError(f"{where}: '{f.name}' must be a {base.__name__}, got {value!r}")
-        return base(value)
-    if base is str:
-        if not isinstance(value, str | int | float):
-            raise TunesmithError(f"{where}: '{f.name}' must be a string, got {value!r}")
+        value = _number(base, value)
+    elif base is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise ValueError(f"must be a string, got {value!r}")
         value = str(value)
     if "choices" in f.metadata and value not in f.metadata["choices"]:
-        raise TunesmithError(f"{where}: '{f.name}' must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
+        raise ValueError(f"must be one of {', '.join(map(str, f.metadata['choices']))}, got {_show(value)}")
     return value
+
+
+def parse_value(f: dataclasses.Field, hint: Any, value: Any, name: str) -> Any:
+    """A flag's text or a YAML value, converted to the field's type and checked against its choices and bounds.
+    Anything wrong is one TunesmithError that starts with `name` (the flag, or the file and key)."""
+    try:
+        value = _convert(f, hint, value)
+        check_bounds(f, value)
+    except ValueError as e:
+        raise TunesmithError(f"{name} {e}") from None
+    return value
+
+
+def names_of(f: dataclasses.Field) -> list[str]:
+    """A field's name and its aliases, as YAML keys (underscores)."""
+    return [f.name, *f.metadata.get("aliases", ())]
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -352,13 +508,19 @@ def build_config(cls: type, yaml_path: str | Path | None = None, overrides: dict
     values: dict[str, Any] = {}
     if yaml_path:
         loaded = read_yaml(yaml_path)
-        unknown = sorted(set(loaded) - set(known))
+        canonical = {name: f.name for f in known.values() for name in names_of(f)}
+        unknown = sorted(set(loaded) - set(canonical))
         if unknown:
             raise TunesmithError(
                 f"{yaml_path}: unknown option(s) {', '.join(unknown)} for this command; known: {', '.join(sorted(known))}"
             )
-        hints = typing.get_type_hints(cls)
-        values.update({k: _coerce(known[k], hints[k], v, str(yaml_path)) for k, v in loaded.items()})
+        hints, given = typing.get_type_hints(cls), {}
+        for key, v in loaded.items():
+            name = canonical[key]
+            if name in given:  # `iters:` and `max_steps:` both
+                raise TunesmithError(f"{yaml_path}: '{given[name]}' and '{key}' are the same option; keep one")
+            given[name] = key
+            values[name] = parse_value(known[name], hints[name], v, f"{yaml_path}: '{key}'")
     for k, v in (overrides or {}).items():
         if k not in known:
             raise TypeError(f"{cls.__name__} has no option {k!r}")

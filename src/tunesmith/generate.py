@@ -1,15 +1,24 @@
-"""Greedy and sampled generation with a KV cache, streamed token by token."""
+"""Greedy and sampled generation, streamed token by token: one decode loop for every kind of model.
+
+`decode` runs over a "next logits" function, so an eager model with a KV cache (`stream_generate`) and an ExecuTorch
+program (`pte_runtime.stream_generate_pte`) share the sampling, the stop rule, the streamed text and the figures.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from tunesmith.config import GenerateConfig, check_values
 from tunesmith.device import peak_memory_bytes
 from tunesmith.errors import TunesmithError
+
+NextLogits = Callable[[list[int], int], torch.Tensor]
+"""(tokens, position of the first of them) -> logits [vocab] after the last one; it keeps its own cache."""
 
 
 @dataclass
@@ -26,14 +35,33 @@ class GenerationResponse:
     finish_reason: str | None = None  # "stop" (end-of-sequence) or "length" on the last response
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise TunesmithError("--chat needs a tokenizer with a chat template; this model has none")
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True, return_dict=False
-        )
-    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+def resolve_prompt(prompt: str) -> str:
+    """--prompt as given, or what comes on stdin for `--prompt -`."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read()
+    if not text:
+        raise TunesmithError("--prompt -: nothing came on stdin; pipe the prompt in, e.g. echo 'ROMEO:' | tunesmith ...")
+    return text
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+    """The prompt's token ids: as text, or with --chat through the model's chat template (after `system`)."""
+    if not chat:
+        if system is not None:
+            raise TunesmithError("--system is a message of the chat template; add --chat")
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise TunesmithError("--chat needs a tokenizer with a chat template; this model has none")
+    from jinja2 import TemplateError
+
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    except TemplateError as e:  # e.g. a template without a system role
+        raise TunesmithError(f"this model's chat template refused the messages: {e}") from None
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
@@ -49,39 +77,32 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 
 @torch.no_grad()
-def stream_generate(
-    model: torch.nn.Module,
+def decode(
+    next_logits: NextLogits,
     tokenizer,
-    prompt: str,
+    prompt_ids: list[int],
+    stop_ids: Iterable[int],
     max_tokens: int = 100,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    chat: bool = False,
+    peak_memory: Callable[[], int] = lambda: 0,
 ) -> Iterator[GenerationResponse]:
-    """Yield one GenerationResponse per generated token."""
-    if max_tokens < 1:
-        raise TunesmithError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if not 0.0 < top_p <= 1.0:
-        raise TunesmithError(f"--top-p must be in (0, 1], got {top_p}")
-    model.eval()
-    device = next(model.parameters()).device
-    ids = encode_prompt(tokenizer, prompt, chat)
-    if not ids:
+    """The decode loop: prefill the prompt, then sample one token at a time until a stop token or max_tokens,
+    yielding one GenerationResponse per token."""
+    check_values(GenerateConfig, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    if not prompt_ids:
         raise TunesmithError("the prompt is empty")
-    stop = _stop_ids(tokenizer, model)
+    stop = set(stop_ids)
     generator = torch.Generator().manual_seed(seed)
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
     start = time.perf_counter()
-    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True)
+    logits = next_logits(prompt_ids, 0)
     prefill_s = time.perf_counter() - start
     generated: list[int] = []
     text_so_far = ""
     decode_start = time.perf_counter()
     for n in range(1, max_tokens + 1):
-        token = sample_next(out.logits[0, -1], temperature, top_p, generator)
+        token = sample_next(logits, temperature, top_p, generator)
         generated.append(token)
         finished = token in stop
         reason = "stop" if finished else ("length" if n == max_tokens else None)
@@ -95,15 +116,48 @@ def stream_generate(
             text=delta,
             token=token,
             generated_tokens=n,
-            prompt_tokens=len(ids),
-            prompt_tps=len(ids) / max(prefill_s, 1e-9),
+            prompt_tokens=len(prompt_ids),
+            prompt_tps=len(prompt_ids) / max(prefill_s, 1e-9),
             generation_tps=n / max(time.perf_counter() - decode_start, 1e-9),
-            peak_memory_bytes=peak_memory_bytes(device),
+            peak_memory_bytes=peak_memory(),
             finish_reason=reason,
         )
         if reason:
             return
-        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+        logits = next_logits([token], len(prompt_ids) + n - 1)
+
+
+def eager_next_logits(model: torch.nn.Module) -> NextLogits:
+    """A NextLogits for a transformers model: a fresh KV cache, filled as the tokens come."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache()
+
+    def next_logits(tokens: list[int], start: int) -> torch.Tensor:
+        out = model(input_ids=torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
+        return out.logits[0, -1]
+
+    return next_logits
+
+
+def stream_generate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: str,
+    max_tokens: int = 100,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    chat: bool = False,
+    system: str | None = None,
+) -> Iterator[GenerationResponse]:
+    """Yield one GenerationResponse per generated token of an eager model."""
+    model.eval()
+    device = next(model.parameters()).device
+    ids = encode_prompt(tokenizer, prompt, chat, system)
+    yield from decode(eager_next_logits(model), tokenizer, ids, _stop_ids(tokenizer, model), max_tokens, temperature,
+                      top_p, seed, lambda: peak_memory_bytes(device))
 
 
 def generate(model, tokenizer, prompt: str, **kwargs) -> str:
@@ -121,26 +175,33 @@ def _stop_ids(tokenizer, model) -> set[int]:
     return ids
 
 
+def stream_to(write: Callable[[str], object] | None, echo: str,
+              responses: Iterable[GenerationResponse]) -> list[GenerationResponse]:
+    """Write `echo` (the prompt, when it is plain text), each response's text as it comes, then a newline (to stdout
+    when `write` is None); return the responses."""
+    write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    write(echo)
+    done = []
+    for r in responses:
+        write(r.text)
+        done.append(r)
+    write("\n")
+    return done
+
+
 def generate_from_config(cfg, write=None) -> list[GenerationResponse]:
     """The `generate` verb: load the model (+ adapter), stream the text to `write`, return the responses."""
-    import sys
-
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
     from tunesmith.lora import base_model_for, load_adapter
     from tunesmith.models import load_model
 
-    write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    prompt = resolve_prompt(cfg.prompt)
     device = resolve_device(cfg.device)
     spec = base_model_for(cfg.model, cfg.adapter)  # no --model: the one the adapter was trained on
     model, tokenizer = load_model(spec, device, weight_dtype(device, resolve_precision(device, cfg.precision)),
                                   cfg.trust_remote_code)
     if cfg.adapter:
         model = load_adapter(model, cfg.adapter, base=spec)
-    if not cfg.chat:
-        write(cfg.prompt)
-    responses = []
-    for r in stream_generate(model, tokenizer, cfg.prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed, cfg.chat):
-        write(r.text)
-        responses.append(r)
-    write("\n")
-    return responses
+    stream = stream_generate(model, tokenizer, prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed, cfg.chat,
+                             cfg.system)
+    return stream_to(write, "" if cfg.chat else prompt, stream)

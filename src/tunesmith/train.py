@@ -247,12 +247,6 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if device.type == "mps":  # before the first MPS op (the bf16 probe in resolve_precision is one)
         _note(progress, enable_mps_fallback())
     precision = resolve_precision(device, cfg.precision)
-    if cfg.grad_accum < 1:
-        raise TunesmithError(f"--grad-accum must be >= 1, got {cfg.grad_accum}")
-    if cfg.max_bad_steps < 1:
-        raise TunesmithError(f"--max-bad-steps must be >= 1, got {cfg.max_bad_steps}")
-    if cfg.min_steps < 0:
-        raise TunesmithError(f"--min-steps must be >= 0, got {cfg.min_steps}")
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     batch_size = _plan_memory(cfg, device, precision, model, run_dir, progress)  # settles --batch-size auto

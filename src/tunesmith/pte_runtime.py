@@ -1,7 +1,9 @@
-"""`tunesmith run model.pte`: generate with the ExecuTorch runtime and the tokenizer saved beside the program.
+"""The ExecuTorch runtime from Python: a .pte program with the tokenizer saved beside it (`PteModel`), and
+`tunesmith run model.pte`, which generates from it.
 
 Prefill is one call with the whole prompt; decode is one call per token at its position (the KV cache lives in the
-program). Text streams as tokens arrive, and the figures match `generate`'s: prompt and decode tokens/s.
+program). Decoding is `generate.decode`, the loop eager models use, so the text streams and the figures (prompt and
+decode tokens/s) are the same as `generate`'s.
 """
 
 from __future__ import annotations
@@ -9,16 +11,15 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from tunesmith.device import peak_memory_bytes
 from tunesmith.errors import TunesmithError, missing_extra
 from tunesmith.export.executorch import META_FORMAT, pte_paths
-from tunesmith.generate import GenerationResponse, encode_prompt, sample_next
+from tunesmith.generate import GenerationResponse, decode, encode_prompt, resolve_prompt, stream_to
 
 
 def _runtime():
@@ -94,71 +95,27 @@ def stream_generate_pte(
     top_p: float = 1.0,
     seed: int = 0,
     chat: bool = False,
+    system: str | None = None,
 ) -> Iterator[GenerationResponse]:
-    """Yield one GenerationResponse per generated token, as `generate.stream_generate` does for eager models."""
-    if max_tokens < 1:
-        raise TunesmithError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if not 0.0 < top_p <= 1.0:
-        raise TunesmithError(f"--top-p must be in (0, 1], got {top_p}")
-    tok = model.tokenizer
-    ids = encode_prompt(tok, prompt, chat)
-    if not ids:
-        raise TunesmithError("the prompt is empty")
-    max_tokens = min(max_tokens, model.max_seq_len - len(ids))
-    if max_tokens < 1:
-        raise TunesmithError(
-            f"the prompt is {len(ids)} tokens and this program holds max_seq_len {model.max_seq_len} in all; "
-            "shorten the prompt or export with a larger --max-seq-len"
-        )
-    generator = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
-    logits = model.logits(ids, 0)[-1]
-    prefill_s = time.perf_counter() - start
-    generated: list[int] = []
-    text_so_far = ""
-    decode_start = time.perf_counter()
-    for n in range(1, max_tokens + 1):
-        token = sample_next(logits, temperature, top_p, generator)
-        generated.append(token)
-        finished = token in model.eos
-        reason = "stop" if finished else ("length" if n == max_tokens else None)
-        text = tok.decode(generated[:-1] if finished else generated, skip_special_tokens=True)
-        if reason or not text.endswith("\ufffd"):  # hold back a partial character until its bytes arrive
-            delta, text_so_far = text[len(text_so_far) :], text
-        else:
-            delta = ""
-        yield GenerationResponse(
-            text=delta,
-            token=token,
-            generated_tokens=n,
-            prompt_tokens=len(ids),
-            prompt_tps=len(ids) / max(prefill_s, 1e-9),
-            generation_tps=n / max(time.perf_counter() - decode_start, 1e-9),
-            peak_memory_bytes=_peak_rss(),
-            finish_reason=reason,
-        )
-        if reason:
-            return
-        logits = model.logits([token], len(ids) + n - 1)[-1]
+    """Yield one GenerationResponse per generated token, through the loop `generate.stream_generate` uses."""
+    ids = encode_prompt(model.tokenizer, prompt, chat, system)
+    if ids and max_tokens >= 1:  # the program holds max_seq_len tokens in all: the prompt's and the generated ones
+        max_tokens = min(max_tokens, model.max_seq_len - len(ids))
+        if max_tokens < 1:
+            raise TunesmithError(
+                f"the prompt is {len(ids)} tokens and this program holds max_seq_len {model.max_seq_len} in all; "
+                "shorten the prompt or export with a larger --max-seq-len"
+            )
+    yield from decode(lambda tokens, start: model.logits(tokens, start)[-1], model.tokenizer, ids, model.eos,
+                      max_tokens, temperature, top_p, seed, lambda: peak_memory_bytes(torch.device("cpu")))
 
 
-def _peak_rss() -> int:
-    from tunesmith.device import peak_memory_bytes
-
-    return peak_memory_bytes(torch.device("cpu"))
-
-
-def run(cfg, write=None) -> list[GenerationResponse]:
+def run_from_config(cfg, write=None) -> list[GenerationResponse]:
     """The `run` verb: stream a generation from the .pte to `write` (stdout), return the responses."""
     if not cfg.pte:
         raise TunesmithError("run needs the .pte file: tunesmith run model.pte --prompt '...'")
-    write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    prompt = resolve_prompt(cfg.prompt)
     model = PteModel(cfg.pte)
-    if not cfg.chat:
-        write(cfg.prompt)
-    responses = []
-    for r in stream_generate_pte(model, cfg.prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed, cfg.chat):
-        write(r.text)
-        responses.append(r)
-    write("\n")
-    return responses
+    stream = stream_generate_pte(model, prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed, cfg.chat,
+                                 cfg.system)
+    return stream_to(write, "" if cfg.chat else prompt, stream)
