@@ -126,7 +126,8 @@ def read_prompts(path: str | None) -> list[str]:
 def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int, calibration=None) -> Path:
     """<run>/quantized-<scheme>, made from the merged model when it is not there yet (int4: GPTQ on `calibration`)."""
     from tunesmith.models import load_model
-    from tunesmith.quantize import is_quantized, quantize_model, save_quantized
+    from tunesmith.quantformat import is_quantized, save_quantized
+    from tunesmith.quantize import quantize_model
 
     folder = run_dir / (f"quantized-{scheme}" + (f"-g{group_size}" if scheme == "int4" else ""))
     if not is_quantized(folder):
@@ -196,7 +197,8 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
 
 def _quantized_rungs(run_dir, merged, cfg, train, examples, prompts, timed, echo) -> list[Rung]:
     from tunesmith.models import load_model
-    from tunesmith.quantize import calibration_blocks, import_torchao, weights_bytes
+    from tunesmith.quantformat import import_torchao
+    from tunesmith.quantize import calibration_blocks, weights_bytes
 
     try:
         import_torchao()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
+from tunesmith.quantformat import QUANT_FILE, load_quantized_model
 from tunesmith.storage import PICKLE_SUFFIXES, atomic_folder, cache_dir, check_safetensors
 
 
@@ -161,14 +162,19 @@ def _without_gguf_quantizer(loaded: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+def pad_with_eos(tokenizer):
+    """Batches need a pad token; a tokenizer without one pads with EOS (the labels mask it out either way)."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_tokenizer(spec: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     source = resolve_model(spec)
     tokenizer = _hub_call(spec, AutoTokenizer.from_pretrained, source, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return pad_with_eos(tokenizer)
 
 
 def load_model(
@@ -186,10 +192,8 @@ def load_model(
 
     device = torch.device(device)
     source = resolve_model(spec)
-    if isinstance(source, Path) and (source / "tunesmith-quant.json").is_file():  # `tunesmith quantize` wrote it
-        from tunesmith.quantize import load_quantized
-
-        return load_quantized(source, device)
+    if isinstance(source, Path) and (source / QUANT_FILE).is_file():  # `tunesmith quantize` wrote it
+        return load_quantized_model(source, device), load_tokenizer(spec, trust_remote_code)
     if isinstance(source, Path):
         _check_weights(source, allow_pickle)
     model = _hub_call(
