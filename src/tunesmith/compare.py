@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tunesmith.config import DEMO_PROMPTS
-from tunesmith.data import IGNORE, Example
+from tunesmith.data import IGNORE, Example, read_prompts
 from tunesmith.errors import TunesmithError
 
 LADDER_FILE = "ladder.json"
@@ -110,19 +110,6 @@ def run_model(run_dir: Path) -> str:
     raise TunesmithError(f"{run_dir} has no config.yaml naming its model; pass --model (the base model)")
 
 
-def read_prompts(path: str | None) -> list[str]:
-    """One prompt per line; a literal \\n in a line is a newline. None: the demo's prompts."""
-    if not path:
-        return list(DEMO_PROMPTS)
-    p = Path(path)
-    if not p.is_file():
-        raise TunesmithError(f"prompts file not found: {p}")
-    prompts = [line.replace("\\n", "\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not prompts:
-        raise TunesmithError(f"{p} holds no prompts (one per line)")
-    return prompts
-
-
 def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int, calibration=None) -> Path:
     """<run>/quantized-<scheme>, made from the merged model when it is not there yet (int4: GPTQ on `calibration`)."""
     from tunesmith.models import load_model
@@ -152,7 +139,7 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     has_adapter = (adapter / "adapter_config.json").is_file()
     has_merged = (merged / "config.json").is_file()
     ptes = sorted((run_dir / "exports").glob("*.pte")) + [Path(p) for p in cfg.pte]
-    prompts = list(prompts) if prompts else read_prompts(cfg.prompts)
+    prompts = list(prompts) if prompts else read_prompts(cfg.prompts, DEMO_PROMPTS)
     tokenizer = load_tokenizer(str(merged) if has_merged else base)
     data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
     examples = data.valid[: cfg.eval_blocks]
@@ -257,7 +244,7 @@ def compare(cfg, console=None, prompts: Sequence[str] | None = None) -> list[Run
     from rich.console import Console
 
     console = console or Console()
-    prompts = list(prompts) if prompts else read_prompts(cfg.prompts)
+    prompts = list(prompts) if prompts else read_prompts(cfg.prompts, DEMO_PROMPTS)
     rungs = ladder(cfg, prompts, echo=console.print)
     print_ladder(console, rungs, prompts)
     console.print(f"ladder written to {Path(cfg.run_dir) / LADDER_FILE}")

@@ -203,7 +203,7 @@ class ParityConfig(ModelConfig):
     """`tunesmith parity`: the same prompts on --device and on the CPU (fp32), compared."""
 
     adapter: str | None = opt(None, "LoRA adapter folder (PEFT format) to apply on both sides")
-    prompts: str | None = opt(None, "text file with one prompt per line (default: a few built-in prompts)")
+    prompts: str | None = opt(None, "text file with one prompt per line, \\n for a newline (default: a few built-in prompts)")
     max_tokens: int = opt(32, "greedy tokens generated per prompt on each side")
     tolerance: float = opt(0.0, "largest mean relative logit difference allowed (0: the default for the precision)")
 
