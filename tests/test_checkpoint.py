@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tunesmith import checkpoint as ck
+from tunesmith import storage
 from tunesmith.data import load_data
 from tunesmith.errors import TunesmithError
 from tunesmith.lora import check_adapter_folder
@@ -246,10 +247,10 @@ def test_safetensors_that_are_truncated_or_bit_flipped_are_named_errors(tmp_path
     for name, data in [("truncated", raw[:-7]), ("empty", b""), ("flipped", raw[:20] + bytes([raw[20] ^ 0x40]) + raw[21:])]:
         bad = tmp_path / f"{name}.safetensors"
         bad.write_bytes(data)
-        for reader in (ck.read_safetensors, ck.check_safetensors):
+        for reader in (storage.read_safetensors, storage.check_safetensors):
             with pytest.raises(TunesmithError, match=rf"{name}.safetensors: not a readable safetensors file"):
                 reader(bad)
-    assert torch.equal(ck.read_safetensors(good)["w"], torch.arange(64.0))
+    assert torch.equal(storage.read_safetensors(good)["w"], torch.arange(64.0))
 
 
 # ---- the non-finite guard ------------------------------------------------------------------------------------

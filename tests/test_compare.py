@@ -8,8 +8,9 @@ import yaml
 
 from tests.ship_fixtures import make_adapter, save, train_tiny
 from tunesmith.cli import main
-from tunesmith.compare import LADDER_FILE, ladder, read_prompts
+from tunesmith.compare import LADDER_FILE, ladder
 from tunesmith.config import DEMO_PROMPTS, CompareConfig, ExportConfig
+from tunesmith.data import read_prompts
 from tunesmith.errors import TunesmithError
 from tunesmith.quantize import weights_bytes
 
@@ -96,8 +97,8 @@ def test_the_quantized_folders_are_reused(rungs, run_dir, text_file):
 def test_prompts_file_and_bad_inputs(tmp_path, capsys):
     p = tmp_path / "prompts.txt"
     p.write_text("ROMEO:\\n\n\nKING:\\nNow,\n", encoding="utf-8")
-    assert read_prompts(str(p)) == ["ROMEO:\n", "KING:\nNow,"]
-    assert read_prompts(None) == list(DEMO_PROMPTS)
+    assert read_prompts(str(p), DEMO_PROMPTS) == ["ROMEO:\n", "KING:\nNow,"]
+    assert read_prompts(None, DEMO_PROMPTS) == list(DEMO_PROMPTS)
     assert main(["compare", str(tmp_path / "nope")]) == 2
     assert "run folder not found" in capsys.readouterr().err
     with pytest.raises(TunesmithError, match="pass --model"):

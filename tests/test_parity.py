@@ -10,6 +10,7 @@ import torch
 from tests.conftest import make_model
 from tunesmith import parity as P
 from tunesmith.config import ParityConfig
+from tunesmith.data import read_prompts
 from tunesmith.errors import TunesmithError
 
 
@@ -97,11 +98,11 @@ def test_parity_mismatch_exits_1(monkeypatch, tiny_dir, tokenizer):
 
 def test_prompts_file_errors(tmp_path):
     with pytest.raises(TunesmithError, match="prompts file not found"):
-        P.read_prompts(str(tmp_path / "nope.txt"))
+        read_prompts(str(tmp_path / "nope.txt"), P.DEFAULT_PROMPTS)
     (tmp_path / "blank.txt").write_text("\n \n")
     with pytest.raises(TunesmithError, match="no prompts"):
-        P.read_prompts(str(tmp_path / "blank.txt"))
-    assert P.read_prompts(None) == list(P.DEFAULT_PROMPTS)
+        read_prompts(str(tmp_path / "blank.txt"), P.DEFAULT_PROMPTS)
+    assert read_prompts(None, P.DEFAULT_PROMPTS) == list(P.DEFAULT_PROMPTS)
     assert ParityConfig().max_tokens == 32
 
 

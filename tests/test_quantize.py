@@ -15,16 +15,15 @@ from tunesmith.models import load_model
 
 pytest.importorskip("torchao", reason="quantize needs the ship extra: pip install 'tunesmith[ship]'")
 
-from tunesmith.quantize import (  # noqa: E402
+from tunesmith.quantformat import (  # noqa: E402
     QUANT_FILE,
-    load_quantized,
+    GroupOffsetLinear,
+    load_quantized_model,
     pack_int4,
-    quantize,
-    quantize_model,
     save_quantized,
     unpack_int4,
-    weights_bytes,
 )
+from tunesmith.quantize import intx_groups, quantize, quantize_model, weights_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +94,7 @@ def test_tied_embeddings_are_untied_and_reload(tokenizer, tmp_path):
     quantize_model(tied, "int4", 32)
     assert tied.lm_head.weight is not tied.model.embed_tokens.weight
     out = save_quantized(tied, tokenizer, tmp_path / "q", {"scheme": "int4"})
-    reloaded, _ = load_quantized(out)
+    reloaded = load_quantized_model(out)
     assert not reloaded.config.tie_word_embeddings
     assert torch.equal(reloaded(x).logits, tied(x).logits)
 
@@ -175,8 +174,6 @@ def test_affine_grid_is_idempotent_and_the_offset_linear_computes_it():
     """Weights already on an affine 4-bit grid (as in a model dequantized from Q4_1 / Q4_K) are found exactly, and
     the eager layer (torchao int4 codes * scales, plus offsets times group sums) computes exactly those weights."""
     from tunesmith.gptq import INT4, INT4_AFFINE, rtn
-    from tunesmith.quantize import GroupOffsetLinear, intx_groups
-
     gen = torch.Generator().manual_seed(1)
     # Q4_1's quantizer maps each block's min and max to codes 0 and 15: every group here uses both ends too.
     codes = torch.randint(-8, 8, (24, 96), generator=gen)

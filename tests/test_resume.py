@@ -85,7 +85,7 @@ def _signal_at_forward(n: int) -> None:
 
 
 def _pause_at_fsync(n: int, pipe_w: int) -> None:
-    import tunesmith.checkpoint as ck
+    import tunesmith.storage as st  # checkpoint.py calls its fsyncs there
 
     calls = [0]
 
@@ -100,7 +100,7 @@ def _pause_at_fsync(n: int, pipe_w: int) -> None:
 
         return inner
 
-    ck.fsync_file, ck.fsync_dir = wrap(ck.fsync_file), wrap(ck.fsync_dir)
+    st.fsync_file, st.fsync_dir = wrap(st.fsync_file), wrap(st.fsync_dir)
 
 
 def _wait(pid: int) -> int:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tunesmith import checkpoint as ck
+from tunesmith import storage
 from tunesmith.cli import main
 from tunesmith.errors import Interrupted
 
@@ -99,7 +100,7 @@ def test_sigterm_then_sigint_each_leave_a_resumable_checkpoint_and_the_documente
 def test_a_second_ctrl_c_during_the_save_does_not_corrupt_it(tmp_path, tiny_dir, text_file, monkeypatch, capfd):
     from tunesmith.train import train
 
-    real, again = ck.fsync_file, []
+    real, again = storage.fsync_file, []
 
     def second_ctrl_c(f):  # the user presses Ctrl-C again while the checkpoint is being written
         if not again and "checkpoints" in f.name:
@@ -107,7 +108,7 @@ def test_a_second_ctrl_c_during_the_save_does_not_corrupt_it(tmp_path, tiny_dir,
             os.kill(os.getpid(), signal.SIGINT)
         return real(f)
 
-    monkeypatch.setattr(ck, "fsync_file", second_ctrl_c)
+    monkeypatch.setattr(storage, "fsync_file", second_ctrl_c)
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     cfg = tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=50, checkpoint_every=0)
     with _SignalAtForward(3), pytest.raises(Interrupted) as e:

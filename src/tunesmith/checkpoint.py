@@ -1,4 +1,4 @@
-"""Never lose a run: atomic checkpoints, exact resume, stop signals, and the safe reading of tensor files.
+"""Never lose a run: atomic checkpoints, exact resume, stop signals (files on disk: storage.py).
 
 A checkpoint is a folder ``<run>/checkpoints/step-000120/``:
 
@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
+from tunesmith import storage
 from tunesmith.errors import TunesmithError
 from tunesmith.lora import BASE_FILE, adapter_config, base_file
+from tunesmith.storage import read_safetensors
 
 FORMAT = 1
 ADAPTER, ADAPTER_CONFIG, OPTIMIZER, STATE, MARKER = (
@@ -97,8 +99,7 @@ class Checkpointer:
     def save(self, state: TrainState, model, optimizer, scheduler, scaler=None) -> Path:
         """Write a checkpoint of `state` atomically; a failure leaves earlier checkpoints untouched and says so."""
         final = self.root / f"{PREFIX}{state.step:06d}"
-        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
-        aside = self.root / f".trash-{final.name}-{os.getpid()}"
+        tmp = self.root / f"{storage.TMP_PREFIX}{final.name}-{os.getpid()}"
         tensors, meta = _optimizer_tensors(optimizer.state_dict())
         payload = {
             ADAPTER: _safetensors_bytes(_adapter_tensors(model)),
@@ -113,7 +114,7 @@ class Checkpointer:
             "scaler": scaler.state_dict() if scaler is not None else None,
             "rng": capture_rng(self.identity["device"]),
         }
-        placed = committed = False
+        aside, placed, committed = None, False, False
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -121,14 +122,13 @@ class Checkpointer:
             body["files"] = {name: write_file(tmp / name, data) for name, data in payload.items()}
             state_json = json.dumps(body, indent=1).encode()
             write_file(tmp / STATE, state_json)
-            fsync_dir(tmp)
-            if final.exists():  # an interrupted save of this step, or a run resumed from an earlier checkpoint
-                os.replace(final, aside)
-            os.replace(tmp, final)
+            storage.fsync_dir(tmp)
+            # an existing folder (an interrupted save of this step, or a run resumed from an earlier checkpoint)
+            # goes aside until the marker is down
+            aside = storage.swap_in(tmp, final)
             placed = True
-            fsync_dir(self.root)
             write_file(final / MARKER, json.dumps({STATE: _sha256(state_json)}).encode())
-            fsync_dir(final)
+            storage.fsync_dir(final)
             committed = True
         except OSError as e:
             raise TunesmithError(
@@ -140,9 +140,11 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if placed:
                     shutil.rmtree(final, ignore_errors=True)
-                if aside.exists():
-                    with contextlib.suppress(OSError):
-                        os.replace(aside, final)
+                    if aside is not None:
+                        with contextlib.suppress(OSError):
+                            os.replace(aside, final)
+            elif aside is not None:
+                storage.remove_folder(aside)
         self.prune(final, state.run_id)
         return final
 
@@ -157,8 +159,8 @@ class Checkpointer:
         for entry in sorted(self.root.iterdir()) if self.root.is_dir() else []:
             if entry == current or not entry.is_dir():
                 continue
-            if entry.name.startswith((".tmp-", ".trash-")) or not (entry / MARKER).is_file():
-                _remove(entry)
+            if entry.name.startswith((storage.TMP_PREFIX, storage.TRASH_PREFIX)) or not (entry / MARKER).is_file():
+                storage.remove_folder(entry)
                 continue
             try:
                 saved = json.loads((entry / STATE).read_text(encoding="utf-8"))
@@ -166,12 +168,12 @@ class Checkpointer:
             except (OSError, ValueError, KeyError, TypeError):
                 same_run, step = False, -1
             if not same_run or step > _step_of(current):
-                _remove(entry)
+                storage.remove_folder(entry)
             else:
                 mine.append((step, entry))
         if self.keep > 0:
             for _, entry in sorted(mine, reverse=True)[max(0, self.keep - 1):]:
-                _remove(entry)
+                storage.remove_folder(entry)
 
     # ------------------------------------------------------------------------------------------- finding
 
@@ -246,42 +248,12 @@ def _step_of(path: Path) -> int:
         return -1
 
 
-def _remove(path: Path) -> None:
-    """Delete a checkpoint folder so that a crash midway never leaves a half-deleted one that looks complete."""
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}") if not path.name.startswith(".") else path
-    try:
-        os.replace(path, trash)
-    except OSError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
-
-
 def write_file(path: Path, data: bytes) -> str:
     """Write and fsync a file; returns its sha256."""
     with open(path, "wb") as f:
         f.write(data)
-        fsync_file(f)
+        storage.fsync_file(f)
     return _sha256(data)
-
-
-def fsync_file(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    if sys.platform == "darwin":  # macOS fsync leaves data in the drive's cache; F_FULLFSYNC flushes it
-        import fcntl
-
-        fcntl.fcntl(f.fileno(), fcntl.F_FULLFSYNC)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or new file in `path` durable (POSIX; Windows has no directory fsync)."""
-    if os.name == "nt":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(data: bytes) -> str:
@@ -496,40 +468,6 @@ def data_fingerprint(examples: Sequence[tuple[list[int], list[int]]]) -> str:
         h.update(array("q", ids).tobytes())
         h.update(array("q", labels).tobytes())
     return h.hexdigest()
-
-
-# ------------------------------------------------------------------------------------------- tensor files
-
-
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The one way tunesmith reads tensors from disk: safetensors only (never pickle); a truncated or corrupted
-    file is an error naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise TunesmithError(f"{path}: not a readable safetensors file ({_first_line(e)}); it is truncated or "
-                             "corrupted") from None
-
-
-def check_safetensors(path: str | Path) -> None:
-    """Validate a safetensors file's header and size without reading the tensors (cheap, for large weights)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise TunesmithError(f"{path}: not a readable safetensors file ({_first_line(e)}); it is truncated or "
-                             "corrupted") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------- signals

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tunesmith.config import DEMO_PROMPTS
-from tunesmith.data import IGNORE, Example
+from tunesmith.data import IGNORE, Example, read_prompts
 from tunesmith.errors import TunesmithError
 
 LADDER_FILE = "ladder.json"
@@ -110,23 +110,11 @@ def run_model(run_dir: Path) -> str:
     raise TunesmithError(f"{run_dir} has no config.yaml naming its model; pass --model (the base model)")
 
 
-def read_prompts(path: str | None) -> list[str]:
-    """One prompt per line; a literal \\n in a line is a newline. None: the demo's prompts."""
-    if not path:
-        return list(DEMO_PROMPTS)
-    p = Path(path)
-    if not p.is_file():
-        raise TunesmithError(f"prompts file not found: {p}")
-    prompts = [line.replace("\\n", "\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not prompts:
-        raise TunesmithError(f"{p} holds no prompts (one per line)")
-    return prompts
-
-
 def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int, calibration=None) -> Path:
     """<run>/quantized-<scheme>, made from the merged model when it is not there yet (int4: GPTQ on `calibration`)."""
     from tunesmith.models import load_model
-    from tunesmith.quantize import is_quantized, quantize_model, save_quantized
+    from tunesmith.quantformat import is_quantized, save_quantized
+    from tunesmith.quantize import quantize_model
 
     folder = run_dir / (f"quantized-{scheme}" + (f"-g{group_size}" if scheme == "int4" else ""))
     if not is_quantized(folder):
@@ -151,7 +139,7 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     base = cfg.model or (recorded_base(adapter)[0] if has_adapter else None) or run_model(run_dir)
     has_merged = (merged / "config.json").is_file()
     ptes = sorted((run_dir / "exports").glob("*.pte")) + [Path(p) for p in cfg.pte]
-    prompts = list(prompts) if prompts else read_prompts(cfg.prompts)
+    prompts = list(prompts) if prompts else read_prompts(cfg.prompts, DEMO_PROMPTS)
     tokenizer = load_tokenizer(str(merged) if has_merged else base)
     data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
     examples = data.valid[: cfg.eval_blocks]
@@ -196,7 +184,8 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
 
 def _quantized_rungs(run_dir, merged, cfg, train, examples, prompts, timed, echo) -> list[Rung]:
     from tunesmith.models import load_model
-    from tunesmith.quantize import calibration_blocks, import_torchao, weights_bytes
+    from tunesmith.quantformat import import_torchao
+    from tunesmith.quantize import calibration_blocks, weights_bytes
 
     try:
         import_torchao()
@@ -255,7 +244,7 @@ def compare(cfg, console=None, prompts: Sequence[str] | None = None) -> list[Run
     from rich.console import Console
 
     console = console or Console()
-    prompts = list(prompts) if prompts else read_prompts(cfg.prompts)
+    prompts = list(prompts) if prompts else read_prompts(cfg.prompts, DEMO_PROMPTS)
     rungs = ladder(cfg, prompts, echo=console.print)
     print_ladder(console, rungs, prompts)
     console.print(f"ladder written to {Path(cfg.run_dir) / LADDER_FILE}")

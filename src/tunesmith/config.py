@@ -319,7 +319,7 @@ class ParityConfig(ModelConfig):
     model: str = adapter_base_model()
     adapter: str | None = opt(None, adapter_help("to apply on both sides"), type=adapter_value,
                               aliases=("adapter_path",))
-    prompts: str | None = opt(None, "text file with one prompt per line (default: a few built-in prompts)")
+    prompts: str | None = opt(None, "text file with one prompt per line, \\n for a newline (default: a few built-in prompts)")
     max_tokens: int = opt(32, "greedy tokens generated per prompt on each side (0: compare the logits only)", bounds=COUNT)
     tolerance: float = opt(0.0, "largest mean relative logit difference allowed (0: the default for the precision)",
                            bounds=COUNT)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.models import cache_dir
+from tunesmith.storage import cache_dir
 
 IGNORE = -100
 Example = tuple[list[int], list[int]]
@@ -53,9 +53,6 @@ class TokenData:
     source: str
     stats: dict[str, int] = field(default_factory=dict)
     where: dict[str, list[str]] = field(default_factory=dict)  # RECORD_NOTES key -> the first few file:line
-
-    def supervised_tokens(self, split: str = "train") -> int:
-        return sum(sum(1 for t in labels if t != IGNORE) for _, labels in getattr(self, split))
 
 
 # --------------------------------------------------------------------------------------------- reading files
@@ -503,3 +500,19 @@ def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]
 def batches(examples: Sequence[Example], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
     for i in range(0, len(examples), batch_size):
         yield collate(examples[i : i + batch_size], pad_id)
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def read_prompts(path: str | None, default: Sequence[str]) -> list[str]:
+    """One prompt per line (blank lines skipped); a literal \\n in a line is a newline. No path: `default`."""
+    if not path:
+        return list(default)
+    p = Path(path)
+    if not p.is_file():
+        raise TunesmithError(f"prompts file not found: {p}")
+    prompts = [line.replace("\\n", "\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise TunesmithError(f"{p} holds no prompts (one per line)")
+    return prompts

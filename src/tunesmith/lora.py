@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
+from tunesmith.storage import PICKLE_SUFFIXES, check_safetensors
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 BASE_FILE = "tunesmith-adapter.json"  # {"model": the --model the adapter was trained on}
@@ -84,7 +85,7 @@ def check_adapter_folder(path: str | Path) -> Path:
     if not p.is_dir():
         raise TunesmithError(f"adapter folder not found: {p}")
     missing = [f for f in ADAPTER_FILES if not (p / f).is_file()]
-    pickled = sorted(f.name for f in p.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
+    pickled = sorted(f.name for f in p.iterdir() if f.suffix in PICKLE_SUFFIXES)
     if ADAPTER_FILES[1] in missing and pickled:  # PEFT would fall back to torch.load; tunesmith never does
         raise TunesmithError(
             f"{p} holds its adapter as pickle ({', '.join(pickled)}), which can run code when loaded; tunesmith reads "
@@ -92,8 +93,6 @@ def check_adapter_folder(path: str | Path) -> Path:
         )
     if missing:
         raise TunesmithError(f"{p} is not a PEFT adapter folder: missing {', '.join(missing)}")
-    from tunesmith.checkpoint import check_safetensors
-
     check_safetensors(p / ADAPTER_FILES[1])  # truncated or damaged: a named error, not a crash inside PEFT
     return p
 

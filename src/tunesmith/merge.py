@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -13,29 +10,31 @@ import torch
 from tunesmith.errors import TunesmithError
 from tunesmith.lora import base_model_for, load_adapter
 from tunesmith.models import load_model
+from tunesmith.storage import atomic_folder
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def merge_model(peft_model, tokenizer, output: str | Path, dtype: str = "float32", provenance: dict | None = None) -> Path:
-    """Fold the adapter into the base weights (merge_and_unload) and save the result atomically."""
+    """Fold the adapter into the base weights and save the result atomically, with the modes the umask gives.
+
+    safe_merge checks every merged weight for NaN / inf (a diverged adapter) before it replaces the base's."""
     if dtype not in SAVE_DTYPES:
         raise TunesmithError(f"--dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
     out = Path(output)
     if out.exists() and any(out.iterdir()) and not (out / "tunesmith-merge.json").is_file():
         raise TunesmithError(f"{out} exists and is not a tunesmith merge folder; choose an empty --output")
-    merged = peft_model.merge_and_unload().to(SAVE_DTYPES[dtype])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
+        merged = peft_model.merge_and_unload(safe_merge=True).to(SAVE_DTYPES[dtype])
+    except ValueError as e:
+        if "NaN" not in str(e):
+            raise
+        raise TunesmithError("cannot merge: the adapter makes the merged weights non-finite (NaN or inf), so it is "
+                             "broken; merge the adapter of an earlier checkpoint instead") from None
+    with atomic_folder(out) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "tunesmith-merge.json").write_text(json.dumps(provenance or {}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

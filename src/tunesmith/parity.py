@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -130,22 +129,11 @@ def compare_models(
                         first_divergence=divergences, tolerance=tol)
 
 
-def read_prompts(path: str | None) -> list[str]:
-    if not path:
-        return list(DEFAULT_PROMPTS)
-    p = Path(path)
-    if not p.is_file():
-        raise TunesmithError(f"prompts file not found: {p}")
-    prompts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not prompts:
-        raise TunesmithError(f"{p} holds no prompts (one per line)")
-    return prompts
-
-
 def parity_from_config(cfg, console=None, progress: bool = True) -> ParityResult:
     """The `parity` verb: load once on the CPU in fp32, copy to the device in the precision's dtype, compare."""
     from rich.console import Console
 
+    from tunesmith.data import read_prompts
     from tunesmith.device import DTYPES, resolve_device, resolve_precision
     from tunesmith.lora import base_model_for, load_adapter
     from tunesmith.models import load_model
@@ -154,7 +142,7 @@ def parity_from_config(cfg, console=None, progress: bool = True) -> ParityResult
     console = console or Console()
     device = resolve_device(cfg.device)
     precision = resolve_precision(device, cfg.precision)
-    prompts = read_prompts(cfg.prompts)
+    prompts = read_prompts(cfg.prompts, DEFAULT_PROMPTS)
     spec = base_model_for(cfg.model, cfg.adapter)
     base, tokenizer = load_model(spec, "cpu", torch.float32, cfg.trust_remote_code)
     candidate = copy.deepcopy(base).to(device=device, dtype=DTYPES[precision])

@@ -20,6 +20,7 @@ from tunesmith.device import peak_memory_bytes
 from tunesmith.errors import TunesmithError, missing_extra
 from tunesmith.export.executorch import META_FORMAT, pte_paths
 from tunesmith.generate import GenerationResponse, decode, encode_prompt, resolve_prompt, stream_to
+from tunesmith.models import pad_with_eos
 
 
 def _runtime():
@@ -62,8 +63,7 @@ class PteModel:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path.parent)
         except (OSError, ValueError) as e:
             raise TunesmithError(f"no tokenizer beside {self.path} ({str(e).splitlines()[0]}); export again") from None
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        pad_with_eos(self.tokenizer)
         self.max_seq_len = int(self.meta["max_seq_len"])
         self.eos = set(self.meta.get("eos_token_ids", []))
         runtime = _runtime()

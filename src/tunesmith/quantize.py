@@ -4,19 +4,12 @@ int8: one scale per output channel. int4: per group of 32 / 64 / 128 input weigh
 grid) a float offset, chosen by GPTQ (gptq.py); v_proj int8 per channel unless told otherwise. Every linear layer is
 quantized (lm_head int8; a tied one is untied first) and the embedding table is stored as int8 per row.
 
-The output folder is self-describing: config.json, generation_config.json, the tokenizer, model.safetensors and
-tunesmith-quant.json (scheme, group size, grid, layers). torchao's tensor subclasses are flattened into plain tensors plus
-JSON metadata (its safetensors support), so nothing is pickled; torchao keeps int4 codes one per byte, so they are
-packed two per byte here and unpacked on load, which makes the file the size a 4-bit model should be.
+The output folder's format (how it is written and read back, GroupOffsetLinear included) is quantformat.py, which
+models.py loads such a folder through; this module is the stage: choosing the weights, measuring, the verb.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,24 +17,11 @@ from pathlib import Path
 
 import torch
 
-from tunesmith.errors import TunesmithError, missing_extra
+from tunesmith.errors import TunesmithError
+from tunesmith.quantformat import GroupOffsetLinear, import_torchao, load_quantized_model, save_quantized
 
 SCHEMES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
-QUANT_FILE = "tunesmith-quant.json"
-WEIGHTS_FILE = "model.safetensors"
-FORMAT = "tunesmith-torchao-v1"
-
-
-def import_torchao():
-    """torchao, or an error naming the extra. Its optional CUDA kernels fail to load on a CPU box: not our news."""
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    try:
-        import torchao  # noqa: F401
-        from torchao.quantization import quantize_
-    except ImportError:
-        raise missing_extra("torchao", "ship", "quantization") from None
-    return quantize_
 
 
 def check_scheme(scheme: str, group_size: int) -> None:
@@ -139,33 +119,6 @@ def _int4_layers(model, group_size: int, calibration, grid: str, keep_8bit: tupl
             "kept_8bit": list(keep_8bit), "affine_layers": sorted(n for n, v in done.items() if v[0].affine)}
 
 
-class GroupOffsetLinear(torch.nn.Linear):
-    """A linear whose weight is scale * code (a torchao int tensor) plus a float offset per group of inputs.
-
-    y = x W_sym^T + (group sums of x) offset^T: the offset part is two small float products (x times a fixed 0/1
-    matrix [groups, in], then times offset [out, groups]), which XNNPACK runs too, so a .pte keeps the affine grid
-    with its symmetric int4 kernels. Costs groups / in (1/32) more multiply-adds than the layer, in float.
-    """
-
-    group_size: int
-
-    @classmethod
-    def convert(cls, m: torch.nn.Linear, group_size: int, offsets: torch.Tensor) -> None:
-        m.__class__ = cls
-        m.group_size = group_size
-        groups = m.in_features // group_size
-        # Held in float32, so a .pte gets it as a constant weight XNNPACK runs (a cast at run time would leave the
-        # product outside the delegate); the values are float16 (gptq.Grid.offset_dtype), as the file stores them.
-        m.register_buffer("group_offset", offsets.float().reshape(m.out_features, groups).contiguous())
-        onehot = torch.zeros(groups, m.in_features)
-        onehot[torch.arange(m.in_features) // group_size, torch.arange(m.in_features)] = 1.0
-        m.register_buffer("group_sum", onehot, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sums = torch.nn.functional.linear(x, self.group_sum)
-        return super().forward(x) + torch.nn.functional.linear(sums, self.group_offset)
-
-
 def intx_groups(on_grid: torch.Tensor, scales: torch.Tensor, group_size: int, dtype=torch.int4):
     """A torchao int tensor (codes + scales, no zero point) from weights already on the grid (gptq.py) and their
     scales [out, in / group_size]."""
@@ -183,130 +136,6 @@ def int8_rows(weight: torch.Tensor):
 
     return IntxUnpackedToInt8Tensor.from_hp(weight.detach().float(), (1, weight.shape[1]), torch.int8,
                                             mapping_type=MappingType.SYMMETRIC)
-
-
-# --------------------------------------------------------------------------------------------- the folder
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes in [-8, 7], last dimension even -> uint8, two codes per byte (low nibble first)."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
-
-
-def unpack_int4(p: torch.Tensor) -> torch.Tensor:
-    lo, hi = (p & 0x0F).to(torch.int8) - 8, (p >> 4).to(torch.int8) - 8
-    return torch.stack((lo, hi), dim=-1).flatten(-2)
-
-
-def _is_int4(meta_json: str) -> bool:
-    data = json.loads(meta_json).get("_data", {})
-    return data.get("target_dtype", {}).get("_data") == "int4"
-
-
-def save_quantized(model, tokenizer, output: str | Path, info: dict) -> Path:
-    """Write the quantized model as a self-describing folder, atomically (a temp folder renamed into place)."""
-    from safetensors.torch import save_file
-    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
-
-    out = Path(output)
-    if out.exists() and any(out.iterdir()) and not (out / QUANT_FILE).is_file():
-        raise TunesmithError(f"{out} exists and is not a tunesmith quantized folder; choose an empty --output")
-    state = {k: v for k, v in model.state_dict().items()}
-    tensors, metadata = flatten_tensor_state_dict(state)
-    packed = []
-    for name in [k for k in tensors if k.endswith(".group_offset")]:
-        tensors[name] = tensors[name].half()  # float16 values already (GroupOffsetLinear): half the bytes
-    for name in json.loads(metadata["tensor_names"]):
-        if _is_int4(metadata[name]):
-            key = f"{name.rsplit('.', 1)[0]}._{name.rsplit('.', 1)[1]}_qdata"
-            tensors[key] = pack_int4(tensors[key])
-            packed.append(key)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, metadata=metadata)
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        affine = sorted(n for n, m in model.named_modules() if isinstance(m, GroupOffsetLinear))
-        body = {"format": FORMAT, **info, "packed_int4": packed, "affine_layers": affine}
-        (tmp / QUANT_FILE).write_text(json.dumps(body, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def is_quantized(folder: str | Path) -> bool:
-    return (Path(folder) / QUANT_FILE).is_file()
-
-
-def read_info(folder: str | Path) -> dict:
-    path = Path(folder) / QUANT_FILE
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise TunesmithError(f"{path}: unreadable ({e}); re-run tunesmith quantize") from None
-    if info.get("format") != FORMAT:
-        raise TunesmithError(f"{path}: format {info.get('format')!r} is not {FORMAT!r}; re-run tunesmith quantize")
-    return info
-
-
-def load_quantized(folder: str | Path, device: torch.device | str = "cpu"):
-    """(model, tokenizer) from a folder written by save_quantized; the weights stay quantized."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoTokenizer
-
-    folder = Path(folder)
-    info = read_info(folder)
-    import_torchao()
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
-
-    weights = folder / WEIGHTS_FILE
-    if not weights.is_file():
-        raise TunesmithError(f"{folder} has no {WEIGHTS_FILE}; re-run tunesmith quantize")
-    with safe_open(str(weights), "pt") as f:
-        metadata = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    for key in info.get("packed_int4", []):
-        tensors[key] = unpack_int4(tensors[key])
-    state, leftover = unflatten_tensor_state_dict(tensors, metadata)
-    model = _empty_model(AutoConfig.from_pretrained(folder))
-    for name in info.get("affine_layers", []):  # their offsets are in the state dict
-        m = model.get_submodule(name)
-        offsets = state.get(f"{name}.group_offset")
-        if not isinstance(m, torch.nn.Linear) or offsets is None:
-            raise TunesmithError(f"{weights} lacks the group offsets of {name}; re-run tunesmith quantize")
-        GroupOffsetLinear.convert(m, m.in_features // offsets.shape[1], offsets)
-        state[f"{name}.group_offset"] = m.group_offset
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    problems = [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in [*unexpected, *leftover]]
-    if problems:
-        raise TunesmithError(f"{weights} does not fit its config.json: {', '.join(problems[:5])}")
-    if (folder / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval().requires_grad_(False), tokenizer
-
-
-def _empty_model(config):
-    """The model's modules with uninitialised weights (they are all assigned next) and computed buffers."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    with no_init_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def weights_bytes(folder: str | Path) -> int:
@@ -397,7 +226,7 @@ def quantize(cfg, progress: bool = True) -> QuantizeResult:
                 seconds=round(time.perf_counter() - t, 1))
     out = save_quantized(model, tokenizer, cfg.output, info)
     del model
-    reloaded, _ = load_quantized(out)  # measure what was written, not what is in memory
+    reloaded = load_quantized_model(out)  # measure what was written, not what is in memory
     if scored:
         status(f"scoring the {cfg.scheme} model as saved in {out}", progress)
     after = measure(reloaded, tokenizer, examples, weights_bytes(out), cfg.max_tokens)

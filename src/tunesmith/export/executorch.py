@@ -8,7 +8,7 @@ Weights: fp32; 8w (int8 per output channel); 8da4w (int4 in groups of --group-si
 computes quantized linears with int8 dynamically quantized activations, so 8w runs as 8da8w; the embedding table of
 a quantized program is int8 per row. For 8da4w, export a `tunesmith quantize --scheme int4` folder: its GPTQ
 weights are kept as they are (from a float folder they are rounded to nearest, which costs more perplexity). An
-affine int4 layer (quantize.GroupOffsetLinear) runs as XNNPACK's symmetric int4 kernel plus its group offsets as two
+affine int4 layer (quantformat.GroupOffsetLinear) runs as XNNPACK's symmetric int4 kernel plus its group offsets as two
 small float products, all inside the delegate; its int8 (--keep-8bit) layers run as 8da8w.
 Weight-only int4 with float activations (4w) has no XNNPACK kernel in ExecuTorch 1.5: the module refuses it and
 names the alternatives.
@@ -158,7 +158,7 @@ def load_wrapper(model_dir: Path, max_seq_len: int, quant: str = "fp32", group_s
     `tunesmith quantize` int4 folder, whose weights (GPTQ) an 8da4w program keeps as they are."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from tunesmith.quantize import is_quantized, load_quantized, read_info
+    from tunesmith.quantformat import is_quantized, load_quantized_model, read_info
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -173,12 +173,12 @@ def load_wrapper(model_dir: Path, max_seq_len: int, quant: str = "fp32", group_s
                 f"pass --quant 8da4w --group-size {info.get('group_size') or 32} (for an int4 folder), or export "
                 f"the float model for --quant {quant}"
             )
-        model, tokenizer = load_quantized(model_dir)
+        model = load_quantized_model(model_dir)
         source = f"tunesmith quantize: {info.get('method')}"
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
         source = "float weights" + ("" if quant == "fp32" else ", quantized here (round to nearest)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # padding_idx only shapes training gradients, and with it set the int8 gather is not recognised when lowering.
     model.get_input_embeddings().padding_idx = None
     return StaticCacheLM(model, max_seq_len).eval(), tokenizer, source

@@ -9,13 +9,11 @@ converted here without mlx: adapters.safetensors + adapter_config.json, loadable
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 from tunesmith.errors import TunesmithError, missing_extra
+from tunesmith.storage import atomic_folder
 
 PRECISIONS = {"fp32": "float32", "none": "float32", "bf16": "bfloat16", "fp16": "float16"}
 BITS = {"8bit": 8, "4bit": 4}
@@ -69,18 +67,10 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int | None, ma
     config["dtype"] = dtype
     if bits:
         model, config = quantize_model(model, config, group, bits)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         save(tmp, model_dir, model, tokenizer, config)
         provenance = {"format": "mlx", "quant": quant, "dtype": dtype, "bits": bits, "group_size": group}
         (tmp / MARKER).write_text(json.dumps({**provenance, "source": str(model_dir)}, indent=2))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the export is meant to be shared
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
