@@ -121,7 +121,6 @@ def test_a_second_ctrl_c_during_the_save_does_not_corrupt_it(tmp_path, tiny_dir,
 
 
 def test_train_help_documents_the_exit_codes(capsys):
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
+    assert main(["train", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "130 stopped by Ctrl-C (SIGINT) or 143 by SIGTERM" in text and "--resume [PATH]" in text
