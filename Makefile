@@ -35,7 +35,7 @@ $(VENV)/.export-extras: $(BIN)/tunesmith
 
 test: setup browser $(VENV)/.export-extras
 	$(BIN)/ruff check src tests bench
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: setup
 	$(BIN)/ruff check src tests bench

@@ -41,3 +41,17 @@ def test_an_adapter_that_makes_the_weights_non_finite_is_one_clear_error(tiny_di
     err = capsys.readouterr().err
     assert "non-finite (NaN or inf)" in err and "earlier checkpoint" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_saved_adapter_has_the_modes_the_umask_gives(tokenizer, tmp_path):
+    from tunesmith.lora import attach_lora, save_adapter
+
+    old = os.umask(0o022)
+    try:
+        folder = save_adapter(attach_lora(make_model(tokenizer)), tmp_path / "adapter", "smollm2-135m-instruct")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+    assert "adapter_model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]  # no temporary folder left

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.storage import PICKLE_SUFFIXES, check_safetensors
+from tunesmith.storage import PICKLE_SUFFIXES, atomic_folder, check_safetensors
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 BASE_FILE = "tunesmith-adapter.json"  # {"model": the --model the adapter was trained on}
@@ -150,13 +150,14 @@ def base_file(base_spec: str) -> bytes:
 def save_adapter(model, folder: str | Path, base_spec: str | None) -> Path:
     """Save the adapter as PEFT does (safetensors), recording the base model it was trained on."""
     folder = Path(folder)
-    model.save_pretrained(folder, safe_serialization=True)
-    if base_spec:
-        config_path = folder / ADAPTER_FILES[0]
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        config["base_model_name_or_path"] = base_record(base_spec)[1]  # PEFT wrote the loaded (cache) path
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        (folder / BASE_FILE).write_bytes(base_file(base_spec))
+    with atomic_folder(folder) as tmp:  # all or nothing, with the modes the user's umask gives
+        model.save_pretrained(tmp, safe_serialization=True)
+        if base_spec:
+            config_path = tmp / ADAPTER_FILES[0]
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config["base_model_name_or_path"] = base_record(base_spec)[1]  # PEFT wrote the loaded (cache) path
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            (tmp / BASE_FILE).write_bytes(base_file(base_spec))
     return folder
 
 
