@@ -168,6 +168,15 @@ CPU_MEASURED = [  # (model, seq, batch, rank, targets, dropout, precision, check
     (L1B, 128, 2, 8, QV, 0.05, "fp32", False, 6.583),
     (L1B, 256, 1, 16, ALL, 0.05, "fp32", True, 6.571),
     (SMOL, 256, 4, 8, QV, 0.05, "fp32", False, 3.462),  # the demo's run: `tunesmith demo --max-steps 3`
+    # the second run, the same day, in new processes
+    (SMOL, 256, 4, 8, QV, 0.05, "fp32", False, 3.288),
+    (SMOL, 512, 2, 16, ALL, 0.05, "fp32", False, 4.770),
+    (SMOL, 256, 8, 8, QV, 0.05, "fp32", True, 3.096),
+    (SMOL, 1024, 1, 64, QV, 0.0, "fp32", True, 2.184),
+    (SMOL, 256, 4, 8, ALL, 0.0, "bf16", False, 2.748),
+    (L1B, 128, 2, 8, QV, 0.05, "fp32", False, 6.579),
+    (L1B, 256, 1, 16, ALL, 0.05, "fp32", True, 6.506),
+    (SMOL, 256, 4, 8, QV, 0.05, "fp32", False, 3.352),
 ]
 
 
