@@ -1,6 +1,6 @@
 """Planner accuracy: predicted vs measured peak memory of real tunesmith training runs.
 
-    python bench/bench_memory.py --suite cpu  [--json out.json] [--markdown out.md]
+    python bench/bench_memory.py --suite cpu  [--json out.json] [--markdown out.md] [--demo]
     python bench/bench_memory.py --suite cuda [--json out.json] [--markdown out.md]
 
 Each configuration runs in its own process: build the model (the real SmolLM2-135M, or random weights with the
@@ -8,9 +8,10 @@ exact config of a known model), run `tunesmith.train.train` for a few steps (it 
 to fit.json), and measure:
 
 - cuda: torch.cuda.max_memory_allocated over the run, against the whole prediction (weights included);
-- cpu:  peak RSS growth (VmHWM after reset via /proc/self/clear_refs, minus RSS once the weights are resident),
-        against the prediction without the weights; with MALLOC_MMAP_THRESHOLD_=65536 unless --default-malloc
-        (glibc's dynamic threshold keeps freed activations in RSS, by a varying amount).
+- cpu:  the whole process's peak RSS (ru_maxrss, the figure `train` reports), against the whole prediction
+        (runtime, weights and glibc's slack included). The run is a user's: the built-in tokenizer, the built-in
+        Shakespeare data, then the model, with glibc's default allocator (MALLOC_* variables are removed).
+- --demo (cpu): `tunesmith demo --max-steps 3` in its own process; its report's predicted and measured peak.
 - --oom-demo GIB (cuda): a real out-of-memory run under a memory cap, recovered by halving the micro-batch.
 
 The table goes to docs/MEMORY.md with the hardware and the date.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import platform
@@ -32,6 +32,7 @@ from pathlib import Path
 
 GIB = 2**30
 SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOL_ALIAS = "smollm2-135m-instruct"
 L1B = "meta-llama/Llama-3.2-1B"
 L8B = "meta-llama/Llama-3.1-8B"
 
@@ -91,33 +92,34 @@ def run_case(case: Case, device: str) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tunesmith.config import TrainConfig
-    from tunesmith.data import TokenData
+    from tunesmith.data import TokenData, load_data
     from tunesmith.device import DTYPES
     from tunesmith.memory import KNOWN_CONFIGS
-    from tunesmith.models import load_model
+    from tunesmith.models import load_model, load_tokenizer
     from tunesmith.train import train
 
     dtype = DTYPES[case.precision]
     torch.manual_seed(0)
+    if device == "cpu":
+        # As `tunesmith train` runs: tokenizer, data, then the weights. SmolLM2's tokenizer ids fit every vocabulary
+        # here, so the random-weight shapes train on the same Shakespeare blocks.
+        data = load_data("shakespeare", load_tokenizer(SMOL_ALIAS), case.seq_len)
+        runtime = _rss("VmRSS")  # imports, tokenizer and data: what the planner's "runtime" part stands for
     if case.model.startswith("real:"):
         model, _ = load_model(case.model[5:], device, dtype)
     else:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(LlamaConfig(**KNOWN_CONFIGS[case.model]), dtype=dtype,
                                                      attn_implementation="sdpa")
-    vocab = model.config.vocab_size
-    batch = 64 if case.batch_size == "auto" else case.batch_size
-    g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, vocab, (case.seq_len,), generator=g).tolist() for _ in range(batch * case.steps)]
-    data = TokenData(train=[(r, r) for r in rows], valid=[], source="random")
-
     if device == "cpu":
-        for p in model.parameters():  # page every weight in, so RSS growth is training alone
-            float(p.detach().float().sum())
-        gc.collect()
-        Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark (VmHWM)
+        data = TokenData(train=data.train, valid=data.valid[:1], source=data.source)  # one block for the final eval
         base = _rss("VmRSS")
     else:
+        vocab = model.config.vocab_size
+        batch = 64 if case.batch_size == "auto" else case.batch_size
+        g = torch.Generator().manual_seed(0)
+        rows = [torch.randint(0, vocab, (case.seq_len,), generator=g).tolist() for _ in range(batch * case.steps)]
+        data = TokenData(train=[(r, r) for r in rows], valid=[], source="random")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -132,18 +134,35 @@ def run_case(case: Case, device: str) -> dict:
     result = train(cfg, model=model, data=data, progress=False)
     seconds = time.perf_counter() - t0
     fit = json.loads((Path(out) / "fit.json").read_text())
-    if device == "cpu":
-        measured = _rss("VmHWM") - base
-        predicted = fit["predicted_peak_bytes"] - fit["parts"]["weights"]
-    else:
-        measured = torch.cuda.max_memory_allocated()
-        predicted = fit["predicted_peak_bytes"]
+    # cpu: the whole process's peak RSS, as train measures it; cuda: the caching allocator's peak
+    measured = result.peak_memory_bytes if device == "cpu" else torch.cuda.max_memory_allocated()
+    predicted = fit["predicted_peak_bytes"]
     return {
         **dataclasses.asdict(case), "device": device, "predicted": predicted, "measured": measured,
-        "baseline": base, "parts": fit["parts"], "micro_batch": result.batch_size, "planned_batch": fit["micro_batch"],
+        "baseline": base, "runtime": runtime if device == "cpu" else 0, "parts": fit["parts"],
+        "micro_batch": result.batch_size, "planned_batch": fit["micro_batch"],
         "device_available": fit["device_available_bytes"], "losses": result.losses, "seconds": seconds,
         "ratio": predicted / measured,
     }
+
+
+def demo_case() -> dict:
+    """The demo's own run (SmolLM2-135M, fp32, seq 256, micro-batch 4, LoRA q,v r8), 3 steps, in its own process;
+    the figures its report shows: fit.json's prediction and the largest peak in metrics.jsonl."""
+    out = Path(tempfile.mkdtemp(prefix="bench-memory-demo-"))
+    cmd = [sys.executable, "-m", "tunesmith.cli", "demo", "--device", "cpu", "--precision", "fp32", "--max-steps", "3",
+           "--eval-batches", "2", "--sample-tokens", "8", "--output", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
+    if proc.returncode:
+        raise RuntimeError((proc.stderr or proc.stdout).strip().splitlines()[-1])
+    fit = json.loads((out / "fit.json").read_text())
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = max(r.get("peak_mem_bytes", 0) for r in rows if r.get("kind") == "train")
+    case = Case("demo (tunesmith demo --max-steps 3)", "real:smollm2-135m-instruct", 256, 4)
+    return {**dataclasses.asdict(case), "device": "cpu", "predicted": fit["predicted_peak_bytes"], "measured": measured,
+            "parts": fit["parts"], "micro_batch": fit["micro_batch"], "seconds": time.perf_counter() - t0,
+            "ratio": fit["predicted_peak_bytes"] / measured}
 
 
 def oom_demo(limit_gib: float) -> dict:
@@ -191,8 +210,7 @@ def hardware(device: str) -> str:
 
 def markdown(rows: list[dict], device: str) -> str:
     what = ("torch.cuda.max_memory_allocated (weights included)" if device == "cuda" else
-            "peak RSS growth over the loaded weights (VmHWM)" +
-            ("" if os.environ.get("BENCH_DEFAULT_MALLOC") else ", MALLOC_MMAP_THRESHOLD_=65536"))
+            "the whole process's peak RSS (ru_maxrss), glibc's default allocator")
     lines = [f"Hardware: {hardware(device)}; date {time.strftime('%Y-%m-%d')}; measured: {what}.", "",
              "| case | model | seq | batch | LoRA | precision | ckpt | predicted GiB | measured GiB | error |",
              "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |"]
@@ -209,47 +227,63 @@ def markdown(rows: list[dict], device: str) -> str:
     return "\n".join(lines)
 
 
+def _clean_env() -> dict:
+    """The environment for a measured process: glibc's allocator as a user has it (no MALLOC_* tuning)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+
+def _run_one(suite: str, case: Case) -> dict:
+    spec = json.dumps(dataclasses.asdict(case))
+    proc = subprocess.run([sys.executable, __file__, "--suite", suite, "--one", spec], capture_output=True, text=True,
+                          env=_clean_env())
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {**dataclasses.asdict(case), "error": tail[0][:200]}
+    return json.loads(line[7:])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", choices=sorted(SUITES), default="cpu")
     ap.add_argument("--only", default="", help="comma-separated case names")
     ap.add_argument("--json", default="")
     ap.add_argument("--markdown", default="")
-    ap.add_argument("--default-malloc", action="store_true", help="cpu: keep glibc's dynamic mmap threshold")
+    ap.add_argument("--demo", action="store_true", help="cpu: also run `tunesmith demo --max-steps 3` (its report)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one case, print its JSON
+    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # internal: convert the GGUF once
     ap.add_argument("--oom-demo", type=float, default=0.0, metavar="GIB",
                     help="cuda: cap memory at GIB and show out-of-memory recovery from micro-batch 16")
     args = ap.parse_args()
-    if args.default_malloc:
-        os.environ["BENCH_DEFAULT_MALLOC"] = "1"
     if args.oom_demo:
         print(json.dumps(oom_demo(args.oom_demo), indent=1))
         return 0
     device = "cuda" if args.suite == "cuda" else "cpu"
+    if args.prepare:
+        from tunesmith.models import resolve_model
+
+        resolve_model(SMOL_ALIAS)
+        return 0
     if args.one:
         print("RESULT " + json.dumps(run_case(Case(**json.loads(args.one)), device)), flush=True)
         return 0
     cases = [c for c in SUITES[args.suite] if not args.only or c.name in args.only.split(",")]
-    env = dict(os.environ)
-    if device == "cpu" and not args.default_malloc:
-        # glibc raises its mmap threshold as big blocks are freed (up to 32 MiB), then serves tensors from heaps it
-        # rarely gives back, so RSS keeps freed activations. A fixed threshold makes RSS follow live tensors.
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    if device == "cpu":  # the one-time GGUF conversion (its own peak) happens here, not inside a measured run
+        subprocess.run([sys.executable, __file__, "--prepare"], check=True, capture_output=True)
     rows = []
     for case in cases:
-        spec = json.dumps(dataclasses.asdict(case))
-        proc = subprocess.run([sys.executable, __file__, "--suite", args.suite, "--one", spec],
-                              capture_output=True, text=True, env=env)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            rows.append({**dataclasses.asdict(case), "error": tail[0][:200]})
-            print(f"{case.name}: FAILED {tail[0][:300]}", flush=True)
-            continue
-        r = json.loads(line[7:])
+        r = _run_one(args.suite, case)
         rows.append(r)
+        if "error" in r:
+            print(f"{case.name}: FAILED {r['error']}", flush=True)
+            continue
         print(f"{case.name}: predicted {r['predicted'] / GIB:.3f} GiB, measured {r['measured'] / GIB:.3f} GiB "
               f"({100 * (r['ratio'] - 1):+.1f}%), batch {r['micro_batch']}, {r['seconds']:.0f}s", flush=True)
+    if args.demo and device == "cpu":
+        try:
+            rows.append(demo_case())
+        except (RuntimeError, OSError, ValueError) as e:
+            rows.append({**dataclasses.asdict(Case("demo", "real:" + SMOL_ALIAS, 256, 4)), "error": str(e)[:200]})
     table = markdown(rows, device)
     print(table)
     if args.json:

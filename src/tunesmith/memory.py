@@ -24,6 +24,14 @@ AUTO_MAX_BATCH = 64  # --batch-size auto never goes beyond this
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 0}  # fp32 state bytes per trainable parameter (AdamW: m and v)
 INFER_LINEAR_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}  # int4: an fp16 scale and zero per 32
 LOGITS_BYTES_PER_VOCAB = 12  # fp32: log-softmax output, its incoming gradient and its result, at once
+# On the CPU `train` measures the whole process's peak RSS, so the plan counts what the process holds besides
+# tensors, and what glibc's allocator holds besides live tensors. Both measured, glibc's default allocator
+# (docs/MEMORY.md, "CPU: the whole process").
+CPU_RUNTIME_BYTES = 752 * 2**20  # python, torch, transformers, peft, accelerate, the tokenizer, the built-in data
+# Freed blocks glibc's heaps keep at the peak. No trend with the activations was seen (35 MiB at 2 GiB of them,
+# 440 MiB at 1.1 GiB); with checkpointing more: the layers' freed forward temporaries still fill the heap when
+# the logits peak comes. The mean of the measured runs, without and with checkpointing.
+CPU_HEAP_SLACK_BYTES = {False: 256 * 2**20, True: 540 * 2**20}
 
 # Shapes of well-known models, so `fit` can answer offline (hub configs of gated models need a login).
 KNOWN_CONFIGS: dict[str, dict] = {
@@ -43,44 +51,31 @@ KNOWN_CONFIGS: dict[str, dict] = {
 
 
 def read_model_config(spec: str, trust_remote_code: bool = False):
-    """The model's config (a transformers PretrainedConfig), read without touching its weights."""
+    """The model's config (a transformers PretrainedConfig), read without loading its weights.
+
+    The spec resolves as every verb resolves it (models.resolve_model: a built-in alias or a .gguf is converted
+    once into the cached folder that training then loads). A hub id whose config.json is already cached is read
+    offline, with no call to the hub; the known shapes above need nothing at all.
+    """
     from transformers import AutoConfig, LlamaConfig
 
-    from tunesmith.models import BUILTIN_MODELS
+    from tunesmith.models import resolve_model
 
     if spec in KNOWN_CONFIGS:
         return LlamaConfig(**KNOWN_CONFIGS[spec])
-    path = Path(spec).expanduser()
-    if spec in BUILTIN_MODELS:
-        gguf = BUILTIN_MODELS[spec].gguf_path()
-        if gguf is None:
-            raise TunesmithError(f"built-in model '{spec}' needs its weights package: {BUILTIN_MODELS[spec].install}")
-        path = gguf
+    source = resolve_model(spec)
     try:
-        if path.suffix == ".gguf":
-            if not path.is_file():
-                raise TunesmithError(f"GGUF file not found: {path}")
-            _need_gguf()
-            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # reads the header only
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise TunesmithError(f"{path} is not a model folder: it has no config.json")
-            return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        from tunesmith.models import hub_reachable  # offline: the hub cache only, no retries
-
-        return AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code, local_files_only=not hub_reachable())
+        if isinstance(source, str):
+            try:
+                return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=True)
+            except OSError:
+                pass  # not cached: ask the hub
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise TunesmithError(
             f"could not read the config of '{spec}' ({str(e).splitlines()[0]}). Offline, pass a local folder, a .gguf "
             f"file, a built-in alias or one of: {', '.join(KNOWN_CONFIGS)}"
         ) from None
-
-
-def _need_gguf() -> None:
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise TunesmithError("reading a .gguf file needs the 'gguf' package: pip install gguf") from None
 
 
 @dataclass(frozen=True)
@@ -231,7 +226,7 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         per_token = shape.layers * layer_activation_bytes(shape, s) - (4 * shape.hidden + 4) + lora
         activations = per_token * tokens + (shape.layers + 1) * scores
     activations += 4 * shape.hidden * tokens  # the final norm's fp32 input
-    return {
+    parts = {
         "weights": shape.params * w + shape.buffer_bytes,
         "adapter": n_lora * (4 + (0 if s.precision == "fp32" else 2)),  # fp32 LoRA + autocast's half copy
         "gradients": n_lora * 4,
@@ -239,6 +234,10 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         "activations": activations,
         "logits": logits,
     }
+    if s.device_type == "cpu":  # measured there: the whole process's peak RSS, not an allocator's live bytes
+        parts["runtime"] = CPU_RUNTIME_BYTES
+        parts["allocator"] = CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]
+    return parts
 
 
 def infer_parts(shape: ModelShape, bits: str, context: int) -> dict[str, int]:
@@ -331,8 +330,9 @@ def plan_run(
     """Plan a run described by a TrainConfig-like `cfg` (or FitConfig) on `device`; 'auto' batch picks the largest.
 
     `config` is the model's config when the caller already has it (an injected model, whose weights already on
-    the device are `resident_bytes`: counted as available, since the plan counts them again); otherwise it is
-    read from cfg.model. `memory_gib` > 0 plans for a machine with that much memory instead of this one.
+    the device are `resident_bytes`: counted as available, since the plan counts them again; on the CPU the whole
+    process's resident set is, since the plan counts the process from its start); otherwise it is read from
+    cfg.model. `memory_gib` > 0 plans for a machine with that much memory instead of this one.
     """
     from dataclasses import replace
 
@@ -343,7 +343,10 @@ def plan_run(
         total = available = int(memory_gib * GIB)
     else:
         total, available = memory_bytes(device)
-        available = min(total, available + resident_bytes)
+        # What this process already holds is counted by the plan (the CPU's runtime part; weights on the device),
+        # so it is no burden on top of the plan: give it back to the available memory.
+        held = _process_rss() if device.type == "cpu" else resident_bytes
+        available = min(total, available + held)
     auto = cfg.batch_size == "auto"
     setup = TrainSetup(
         seq_len=cfg.seq_len, batch_size=1 if auto else int(cfg.batch_size), lora_rank=cfg.lora_rank,
@@ -357,6 +360,12 @@ def plan_run(
             raise TunesmithError(f"--batch-size auto: {verdict(p)}")
         p = plan(shape, replace(setup, batch_size=p.best_batch), total, available)
     return p
+
+
+def _process_rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def print_plan(p: FitPlan, device_line: str, console=None) -> None:
