@@ -34,10 +34,12 @@ COMMON = ["--device", "cpu", "--seq-len", "32", "--batch-size", "2", "--lr", "1e
 # ------------------------------------------------------------------------------------------- the zygote side
 
 
-def _fork(argv: list[str], log: Path, *, signal_at: int = 0, pause_at: int = 0, pipe_w: int = -1) -> int:
+def _fork(argv: list[str], log: Path, *, signal_at: int = 0, pause_at: int = 0, pipe_w: int = -1,
+          pause: tuple[str, int] | None = None) -> int:
     """Run `tunesmith <argv>` in a forked child; returns its pid. Optional fault injection, in the child only:
     signal_at=n sends SIGINT to itself before its n-th training forward; pause_at=n writes to pipe_w and sleeps
-    before its n-th fsync of a checkpoint file or folder (the parent then kills it there)."""
+    before its n-th fsync of a checkpoint file or folder (the parent then kills it there); pause=(moment, n) does
+    the same at the n-th of another moment (see _pause_at)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -58,6 +60,8 @@ def _fork(argv: list[str], log: Path, *, signal_at: int = 0, pause_at: int = 0, 
             _signal_at_forward(signal_at)
         if pause_at:
             _pause_at_fsync(pause_at, pipe_w)
+        if pause:
+            _pause_at(*pause, pipe_w, argv[argv.index("--output") + 1])
         from tunesmith.cli import main
 
         code = main(argv)
@@ -103,6 +107,66 @@ def _pause_at_fsync(n: int, pipe_w: int) -> None:
     st.fsync_file, st.fsync_dir = wrap(st.fsync_file), wrap(st.fsync_dir)
 
 
+def _pause_at(moment: str, n: int, pipe_w: int, run: str) -> None:
+    """Stop this child at its n-th `moment` and wait there for the parent's kill (_hold). The moments:
+    'write': a change to the run folder (a file opened for writing, a rename, a mkdir, a removal): first start-up's
+             (fit.json, config.yaml, the rewrite of metrics.jsonl), then the checkpoint saves' and their clean-up;
+    'forward': before a training forward; 'step': right after an optimizer step (weights moved, nothing saved)."""
+    calls = [0]
+
+    def reached() -> None:
+        calls[0] += 1
+        if calls[0] == n:
+            _hold(pipe_w)
+
+    if moment == "write":  # Python's audit events see every file-system change, whichever module makes it
+        changes = {"os.rename", "os.mkdir", "os.remove", "os.rmdir", "shutil.rmtree"}
+        writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+        def audit(event: str, args: tuple) -> None:
+            if event in changes or (event == "open" and isinstance(args[2], int) and args[2] & writing):
+                if isinstance(args[0], (str, os.PathLike)) and (os.fspath(args[0]) + os.sep).startswith(run + os.sep):
+                    reached()
+
+        sys.addaudithook(audit)
+    elif moment == "forward":
+        import torch
+        from transformers import LlamaForCausalLM
+
+        def forward(module, args):
+            if isinstance(module, LlamaForCausalLM) and module.training:
+                reached()
+
+        torch.nn.modules.module.register_module_forward_pre_hook(forward)
+    elif moment == "step":
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: reached())
+    else:
+        raise ValueError(f"unknown moment {moment!r}")
+
+
+def _hold(pipe_w: int) -> None:
+    """Tell the parent that this child has reached its moment, and wait there for its kill."""
+    os.write(pipe_w, b"x")
+    time.sleep(600)
+    os._exit(97)  # no kill came (the parent is gone): never run on from here
+
+
+def _await_pause(r: int, pid: int, log: Path) -> None:
+    """Block until the child on pipe `r` stands paused at its moment. A child that exits first (the pipe closes)
+    fails the scenario with its log; the timeout only catches a hung child, and is far above any start-up."""
+    ready = select.select([r], [], [], 900)[0]
+    if ready and os.read(r, 1) == b"x":
+        return
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    status = _wait(pid)
+    text = log.read_text(errors="replace") if log.is_file() else "(no log)"
+    why = f"exited with status {status}" if ready else "did not pause within 900 s"
+    raise RuntimeError(f"child {pid} {why} before its moment; its log {log}:\n{text[-6000:]}")
+
+
 def _wait(pid: int) -> int:
     _, status = os.waitpid(pid, 0)
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
@@ -121,15 +185,6 @@ def _newest(run: Path) -> int | None:
 def _resumed_from(log: Path) -> int | None:
     m = re.search(r"resuming from \S*step-(\d+)", log.read_text(errors="replace") if log.is_file() else "")
     return int(m.group(1)) if m else None
-
-
-def _last_step(run: Path) -> int:
-    try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    steps = [json.loads(line)["step"] for line in lines if line.endswith("}") and '"kind": "train"' in line]
-    return steps[-1] if steps else 0
 
 
 def scenario_cuts(tiny: str, data: str, root: str, per_epoch: int) -> dict:
@@ -163,7 +218,8 @@ def scenario_cuts(tiny: str, data: str, root: str, per_epoch: int) -> dict:
 
 def scenario_kills(tiny: str, data: str, root: str, kills: int, seed: int) -> dict:
     """kill -9 a run `kills` times, every other time while it is inside a checkpoint save; each new process resumes
-    it with --resume. Then a last process finishes it."""
+    it with --resume. Then a last process finishes it. Every child is killed where it stands paused at a chosen
+    moment (it says so on a pipe), so which moments are hit depends on `seed` alone, never on the machine's speed."""
     rng = random.Random(seed)
     root_p = Path(root)
 
@@ -174,34 +230,27 @@ def scenario_kills(tiny: str, data: str, root: str, kills: int, seed: int) -> di
     ref = root_p / "reference"
     out: dict = {"reference": str(ref), "reference_rc": _wait(_fork(argv(ref, False), root_p / "reference.log"))}
     run, events = root_p / "killed", []
+    elsewhere = ["write", "forward", "step"]  # taken in turn by the kills outside a save
     for i in range(kills):
         newest = _newest(run)
         log = root_p / f"child-{i:02d}.log"
         r, w = os.pipe()
-        if i % 2 == 0:  # inside a save: paused at a random fsync of the first two saves (the first run: the second)
-            pid = _fork(argv(run, newest is not None), log, pause_at=rng.randint(9 if i == 0 else 1, 16), pipe_w=w)
-            os.close(w)
-            paused = bool(select.select([r], [], [], 120)[0]) and os.read(r, 1) == b"x"
-        else:  # anywhere: in start-up, or a random number of the child's own steps and a part of a step later
-            pid = _fork(argv(run, newest is not None), log)
-            os.close(w)
-            steps, paused = rng.randint(-1, 4), False
-            if steps < 0:
-                time.sleep(rng.uniform(0.0, 1.0))
-            else:
-                deadline = time.monotonic() + 120
-                while _resumed_from(log) is None and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                while _last_step(run) < newest + steps and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                time.sleep(rng.uniform(0.0, 0.15))
+        if i % 2 == 0:  # inside a save: at a random fsync of the first saves (the first run: after its first one)
+            moment = ("fsync", rng.randint(9 if i == 0 else 1, 16))
+            pid = _fork(argv(run, newest is not None), log, pause_at=moment[1], pipe_w=w)
+        else:  # anywhere else: a write in start-up or a save, or a random point of the child's first few steps
+            kind = elsewhere[(i // 2) % len(elsewhere)]
+            moment = (kind, rng.randint(1, 16) if kind == "write" else rng.randint(1, 5))
+            pid = _fork(argv(run, newest is not None), log, pause=moment, pipe_w=w)
+        os.close(w)
+        _await_pause(r, pid, log)
         os.kill(pid, signal.SIGKILL)
         status = _wait(pid)
         os.close(r)
         leftovers = [p.name for p in (run / "checkpoints").iterdir()
                      if not (p / "COMMITTED").is_file()] if (run / "checkpoints").is_dir() else []
-        events.append({"mode": "save" if i % 2 == 0 else "anywhere", "newest_before": newest,
-                       "resumed_from": _resumed_from(log), "status": status, "paused_in_save": paused,
+        events.append({"mode": "save" if i % 2 == 0 else "anywhere", "moment": list(moment),
+                       "newest_before": newest, "resumed_from": _resumed_from(log), "status": status,
                        "leftovers": leftovers, "newest_after": _newest(run)})
     log = root_p / "final.log"
     out.update(run=str(run), events=events, final_newest=_newest(run),
@@ -322,7 +371,8 @@ def test_kill_9_at_20_moments_resumes_from_the_newest_complete_checkpoint(zygote
     ref, run, events = Path(out["reference"]), Path(out["run"]), out["events"]
     assert out["reference_rc"] == 0
     assert all(e["status"] == -signal.SIGKILL for e in events), events  # every kill hit a live run
-    assert all(e["paused_in_save"] for e in events if e["mode"] == "save"), events
+    assert {e["moment"][0] for e in events} == {"fsync", "write", "forward", "step"}, events
+    assert any(e["resumed_from"] is None for e in events[1:]), events  # one kill came in start-up, before the resume
     assert sum(bool(e["leftovers"]) for e in events) >= 3, events  # some kills left a half-written save behind
     for e in events[1:]:
         assert e["newest_before"] is not None, events

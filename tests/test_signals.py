@@ -2,10 +2,10 @@
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +46,7 @@ class _SignalAtForward:
     handler: the one train() installed)."""
 
     def __init__(self, n: int, signum: int = signal.SIGINT):
-        self.n, self.signum, self.calls, self.sent_at = n, signum, 0, 0.0
+        self.n, self.signum, self.calls = n, signum, 0
 
     def __call__(self, module, args):
         from transformers import LlamaForCausalLM
@@ -54,7 +54,6 @@ class _SignalAtForward:
         if isinstance(module, LlamaForCausalLM) and module.training:
             self.calls += 1
             if self.calls == self.n:
-                self.sent_at = time.perf_counter()
                 os.kill(os.getpid(), self.signum)
 
     def __enter__(self):
@@ -65,36 +64,65 @@ class _SignalAtForward:
         self.handle.remove()
 
 
+# `python -c PAUSED N READY GO <tunesmith argv>`: the real CLI, paused before its N-th training forward. It says so
+# on fd READY and waits for a byte on fd GO, so the parent's signal lands inside step N, whatever the machine's speed.
+PAUSED = """
+import os, runpy, sys, torch
+from transformers import LlamaForCausalLM
+n, ready, go = (int(a) for a in sys.argv[1:4])
+del sys.argv[1:4]
+calls = [0]
+def hook(module, args):
+    if isinstance(module, LlamaForCausalLM) and module.training:
+        calls[0] += 1
+        if calls[0] == n:
+            os.write(ready, b"x")
+            os.read(go, 1)
+torch.nn.modules.module.register_module_forward_pre_hook(hook)
+runpy.run_module("tunesmith.cli", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_sigterm_then_sigint_each_leave_a_resumable_checkpoint_and_the_documented_code(tmp_path, tiny_dir, text_file,
                                                                                          capsys):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "tunesmith.cli", *_argv(tiny_dir, text_file, run)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while len(_train_steps(run)) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    seen, sent = len(_train_steps(run)), time.perf_counter()
-    proc.send_signal(signal.SIGTERM)  # what `kill`, systemd or a batch scheduler sends
-    out, err = proc.communicate(timeout=120)
-    waited = time.perf_counter() - sent
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    with (tmp_path / "out.txt").open("w") as out, (tmp_path / "err.txt").open("w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-c", PAUSED, "4", str(ready_w), str(go_r),
+                                 *_argv(tiny_dir, text_file, run)], cwd=REPO, env=env, stdout=out, stderr=err_file,
+                                pass_fds=(ready_w, go_r))
+    os.close(ready_w)
+    os.close(go_r)
+    try:  # the timeout only catches a hung child; one that exits early closes the pipe and fails here at once
+        paused = select.select([ready_r], [], [], 600)[0] and os.read(ready_r, 1) == b"x"
+        assert paused, f"the run never reached step 4:\n{(tmp_path / 'err.txt').read_text()[-3000:]}"
+        proc.send_signal(signal.SIGTERM)  # what `kill`, systemd or a batch scheduler sends; it lands inside step 4
+        os.write(go_w, b"x")
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(ready_r)
+        os.close(go_w)
+    err = (tmp_path / "err.txt").read_text()
     assert proc.returncode == 143, err
     saved = ck.newest_checkpoint(run / "checkpoints")  # it verifies: resumable
-    assert seen <= saved.step <= seen + 1  # the step under way when the signal came, and no further
-    assert _train_steps(run)[-1] == saved.step
-    assert f"stopped: SIGTERM after step {saved.step}: checkpoint" in err and "--resume" in err
-    assert "Traceback" not in err and waited < 30
+    assert saved.step == 4  # the step under way when the signal came, and no further
+    assert _train_steps(run) == [1, 2, 3, 4]
+    assert "stopped: SIGTERM after step 4: checkpoint" in err and "--resume" in err
+    assert "Traceback" not in err
 
     # Resume it (another process: this one), and stop it with Ctrl-C two steps later.
-    with _SignalAtForward(2) as sigint:
+    with _SignalAtForward(2):
         code = main(_argv(tiny_dir, text_file, run, "--resume"))
-    stopped_in = time.perf_counter() - sigint.sent_at
     err = capsys.readouterr().err
     assert code == 130 and f"resuming from {saved.path}" in err
-    assert f"stopped: SIGINT after step {saved.step + 2}" in err
+    assert "stopped: SIGINT after step 6" in err
     again = ck.newest_checkpoint(run / "checkpoints")
-    assert again.step == saved.step + 2 and _train_steps(run) == list(range(1, saved.step + 3))
-    assert stopped_in < 10  # the rest of one step plus the save
+    assert again.step == 6 and _train_steps(run) == list(range(1, 7))
 
 
 def test_a_second_ctrl_c_during_the_save_does_not_corrupt_it(tmp_path, tiny_dir, text_file, monkeypatch, capfd):
