@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
-import torch
+# Before torch loads OpenMP (it reads this once): idle OpenMP threads sleep instead of spinning. With spinning
+# threads, a busy 2-core machine runs a 135M forward 10x slower on 2 threads than on 1 (each parallel region waits
+# for a thread that another process has descheduled); sleeping, 2 threads stay as fast as 1 or faster. Child
+# processes (the resume zygote, the signal test's CLI) inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CHATML = (

@@ -310,7 +310,18 @@ def real_smollm2():
     return folder, tokenizer, data.valid[:8], calibration_blocks(data.train, 64)
 
 
+# The real model's float reference and each export's (logits, perplexity), computed once for the module: the two
+# tests share the reference and the round-to-nearest q8_0 file (minutes each on a 2-core CPU).
+_REAL: dict[tuple, tuple] = {}
+
+
 def _real_ref(real_smollm2):
+    if "ref" not in _REAL:
+        _REAL["ref"] = _compute_real_ref(real_smollm2)
+    return _REAL["ref"]
+
+
+def _compute_real_ref(real_smollm2):
     from tunesmith.evaluate import evaluate
 
     folder, tokenizer, blocks, _ = real_smollm2
@@ -323,6 +334,12 @@ def _real_ref(real_smollm2):
 def _real_gguf(real_smollm2, quant, tmp_path, gptq=False):
     """(logits on the first block, perplexity) of the model exported as `quant` (with GPTQ: on the calibration
     blocks) and read back by transformers."""
+    if (quant, gptq) not in _REAL:
+        _REAL[quant, gptq] = _compute_real_gguf(real_smollm2, quant, tmp_path, gptq)
+    return _REAL[quant, gptq]
+
+
+def _compute_real_gguf(real_smollm2, quant, tmp_path, gptq):
     from tunesmith.evaluate import evaluate
 
     folder, tokenizer, blocks, calibration = real_smollm2
