@@ -68,15 +68,12 @@ def evaluate_from_config(cfg) -> EvalResult:
     from tunesmith.data import describe_part, load_data, no_held_out, split_examples
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
     from tunesmith.errors import TunesmithError
-    from tunesmith.lora import base_model_for, load_adapter
-    from tunesmith.models import load_model
+    from tunesmith.lora import load_with_adapter
 
     device = resolve_device(cfg.device)
-    spec = base_model_for(cfg.model, cfg.adapter)  # no --model: the one the adapter was trained on
-    model, tokenizer = load_model(spec, device, weight_dtype(device, resolve_precision(device, cfg.precision)),
-                                  cfg.trust_remote_code)
-    if cfg.adapter:
-        model = load_adapter(model, cfg.adapter, base=spec)
+    model, tokenizer, _ = load_with_adapter(cfg.model, cfg.adapter, device,
+                                            weight_dtype(device, resolve_precision(device, cfg.precision)),
+                                            cfg.trust_remote_code)
     data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
     examples = split_examples(data, cfg.split)
     if not examples:

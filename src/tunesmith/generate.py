@@ -192,16 +192,13 @@ def stream_to(write: Callable[[str], object] | None, echo: str,
 def generate_from_config(cfg, write=None) -> list[GenerationResponse]:
     """The `generate` verb: load the model (+ adapter), stream the text to `write`, return the responses."""
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
-    from tunesmith.lora import base_model_for, load_adapter
-    from tunesmith.models import load_model
+    from tunesmith.lora import load_with_adapter
 
     prompt = resolve_prompt(cfg.prompt)
     device = resolve_device(cfg.device)
-    spec = base_model_for(cfg.model, cfg.adapter)  # no --model: the one the adapter was trained on
-    model, tokenizer = load_model(spec, device, weight_dtype(device, resolve_precision(device, cfg.precision)),
-                                  cfg.trust_remote_code)
-    if cfg.adapter:
-        model = load_adapter(model, cfg.adapter, base=spec)
+    model, tokenizer, _ = load_with_adapter(cfg.model, cfg.adapter, device,
+                                            weight_dtype(device, resolve_precision(device, cfg.precision)),
+                                            cfg.trust_remote_code)
     stream = stream_generate(model, tokenizer, prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed, cfg.chat,
                              cfg.system)
     return stream_to(write, "" if cfg.chat else prompt, stream)

@@ -203,6 +203,19 @@ def base_model_for(model: str | None, adapter: str | Path | None) -> str:
     return model
 
 
+def load_with_adapter(model: str | None, adapter: str | Path | None, device="cpu", dtype: torch.dtype = torch.float32,
+                      trust_remote_code: bool = False):
+    """(model, tokenizer, spec): the model a verb names (base_model_for: --model, else the adapter's recorded one,
+    else the default) loaded on `device` in `dtype`, with `adapter` applied when one is given."""
+    from tunesmith.models import load_model
+
+    spec = base_model_for(model, adapter)
+    loaded, tokenizer = load_model(spec, device, dtype, trust_remote_code)
+    if adapter:
+        loaded = load_adapter(loaded, adapter, base=spec)
+    return loaded, tokenizer, spec
+
+
 def same_model(a: str, b: str) -> bool:
     """Whether two model specs name the same model: equal after resolving aliases and paths, or two local folders
     with the same config.json (a copy of the model)."""

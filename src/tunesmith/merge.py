@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.lora import base_model_for, load_adapter
-from tunesmith.models import load_model
+from tunesmith.lora import load_with_adapter
 from tunesmith.storage import atomic_folder
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,7 +45,5 @@ def merge(model: str, adapter: str, output: str, dtype: str = "float32", trust_r
         raise TunesmithError("merge needs --output, the folder for the merged model")
     if not adapter:
         raise TunesmithError("merge needs --adapter, the adapter folder to merge")
-    model = base_model_for(model, adapter)
-    base, tokenizer = load_model(model, "cpu", torch.float32, trust_remote_code)
-    peft_model = load_adapter(base, adapter, base=model)
-    return merge_model(peft_model, tokenizer, output, dtype, {"base_model": model, "adapter": str(adapter)})
+    peft_model, tokenizer, spec = load_with_adapter(model, adapter, "cpu", torch.float32, trust_remote_code)
+    return merge_model(peft_model, tokenizer, output, dtype, {"base_model": spec, "adapter": str(adapter)})

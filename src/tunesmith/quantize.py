@@ -191,22 +191,19 @@ def quantize(cfg, progress: bool = True) -> QuantizeResult:
     """The `quantize` verb: load the float model (+ adapter, merged), quantize, save, reload, compare.
     Each stage says what it does on stderr (GPTQ with a bar per layer) unless `progress` is False."""
     from tunesmith.data import describe_part, load_data, source_label
-    from tunesmith.lora import base_model_for
-    from tunesmith.models import load_model, resolve_model
+    from tunesmith.lora import load_with_adapter
+    from tunesmith.models import resolve_model
     from tunesmith.progress import status
 
     check_scheme(cfg.scheme, cfg.group_size)
     if not cfg.output:
         raise TunesmithError("quantize needs --output, the folder for the quantized model")
     import_torchao()
-    spec = base_model_for(cfg.model, cfg.adapter)  # no --model: the one the adapter was trained on
-    model, tokenizer = load_model(spec, "cpu", torch.float32)
+    model, tokenizer, spec = load_with_adapter(cfg.model, cfg.adapter)  # CPU, fp32
+    if cfg.adapter:
+        model = model.merge_and_unload()
     source = resolve_model(spec)
     float_bytes = weights_bytes(source) if isinstance(source, Path) else 0
-    if cfg.adapter:
-        from tunesmith.lora import load_adapter
-
-        model = load_adapter(model, cfg.adapter, base=spec).merge_and_unload()
     data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction) if cfg.eval_blocks or cfg.calibration_blocks else None
     examples = data.valid[: cfg.eval_blocks] if data and cfg.eval_blocks else []
     if cfg.eval_blocks and not examples:
