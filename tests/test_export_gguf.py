@@ -354,19 +354,19 @@ def _compute_real_gguf(real_smollm2, quant, tmp_path, gptq):
 
 
 @pytest.mark.slow
-def test_real_model_gptq_q8_0_and_q4_0(real_smollm2, tmp_path):
-    """GPTQ-chosen decoder weights (`tunesmith export`'s default), on the base SmolLM2-135M, 8 held-out blocks.
+def test_real_model_gptq_q4_0(real_smollm2, tmp_path):
+    """GPTQ-chosen decoder weights (`tunesmith export`'s default: 64 calibration blocks) on the base SmolLM2-135M,
+    q4_0, 8 held-out blocks.
 
-    Issue 4's bounds are measured on the Shakespeare-tuned model (docs/EXPORT.md: q8_0 logits 6.9e-3 relative L2,
-    bound 1e-2; q4_0 +6.1%, bound +8%); that model takes a training run to make, so CI checks the base model,
-    where q8_0 measured 1.15e-2 (round to nearest: 1.7e-2) and q4_0 +7.5% with one thread, +8.25% with the two this
-    test runs on (37.023 vs 34.202, the same in two runs: GPTQ's column-by-column rounding follows the float
-    summation order); round to nearest: +24%. The base-model check is bounded at +10%.
+    Issue 4's bounds are measured on the Shakespeare-tuned model (docs/EXPORT.md: q4_0 +6.1%, bound +8%); that model
+    takes a training run to make, so CI checks the base model, where q4_0 measured +7.5% with one thread, +8.25% with
+    the two this test runs on (37.023 vs 34.202, the same in two runs: GPTQ's column-by-column rounding follows the
+    float summation order); round to nearest: +24%. The base-model check is bounded at +10%. That GPTQ beats round
+    to nearest is asserted on the tiny model (test_gptq_reads_back_closer_to_the_float_model_than_round_to_nearest);
+    a q8_0 GPTQ run of the real model (1.15e-2 logits against 1.7e-2) would double this test's minutes, so its
+    figures are in docs/EXPORT.md only.
     """
-    _, ref, ref_ppl = _real_ref(real_smollm2)
-    rtn = _rel(_real_gguf(real_smollm2, "q8_0", tmp_path)[0], ref)
-    gptq = _rel(_real_gguf(real_smollm2, "q8_0", tmp_path, gptq=True)[0], ref)
-    assert gptq < 1.25e-2 and gptq < 0.8 * rtn
+    _, _, ref_ppl = _real_ref(real_smollm2)
     assert _real_gguf(real_smollm2, "q4_0", tmp_path, gptq=True)[1] < 1.10 * ref_ppl
 
 
