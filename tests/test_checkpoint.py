@@ -275,7 +275,8 @@ def _inf_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _poison(model, steps: set[int], how) -> None:
-    """With grad-accum 1, the n-th training forward belongs to step n."""
+    """With grad-accum 1, the n-th training forward belongs to step n. The hook sits on the output layer's logits,
+    which only the plain loss computes: these runs take --no-fused-loss (test_fused poisons the fused path)."""
     calls = {"n": 0}
 
     def hook(module, args, output):
@@ -292,7 +293,7 @@ def _poison(model, steps: set[int], how) -> None:
 def test_a_non_finite_step_is_skipped_and_leaves_the_weights(tmp_path, text_file, tokenizer, how, loss):
     model = make_model(tokenizer)
     _poison(model, {3}, how)
-    r = _injected(tmp_path, text_file, tokenizer, model=model, max_steps=5)
+    r = _injected(tmp_path, text_file, tokenizer, model=model, max_steps=5, fused_loss=False)
     root = r.run_dir / "checkpoints"
     after = {s: _weights(root / f"step-00000{s}") for s in (2, 3, 4)}
     assert _equal(after[3], after[2])  # weights after the bad step s equal those after s - 1
@@ -311,7 +312,8 @@ def test_k_bad_steps_in_a_row_stop_the_run_with_the_last_checkpoint_intact(tmp_p
     model = make_model(tokenizer)
     _poison(model, {3, 4, 5}, _inf_loss)
     with pytest.raises(TunesmithError) as e:
-        _injected(tmp_path, text_file, tokenizer, model=model, max_steps=8, checkpoint_every=2, max_bad_steps=3)
+        _injected(tmp_path, text_file, tokenizer, model=model, max_steps=8, checkpoint_every=2, max_bad_steps=3,
+                  fused_loss=False)
     msg = str(e.value)
     assert msg.startswith("steps 3..5: the loss or gradient norm was NaN/inf 3 times in a row")
     assert "step-000004, is intact" in msg and "Lower --lr (now 0.01)" in msg and "--resume" in msg

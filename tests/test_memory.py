@@ -45,9 +45,10 @@ def test_unknown_target_lists_the_linears(shape):
         shape.targeted(["qkv"])
 
 
-def _saved_bytes(model, batch, precision: str) -> int:
+def _saved_bytes(model, batch, precision: str, loss_sum=None) -> int:
     """Bytes autograd keeps for backward after one forward (unique storages, parameters excluded)."""
-    from tunesmith.evaluate import loss_sum
+    if loss_sum is None:
+        from tunesmith.evaluate import loss_sum
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
@@ -92,6 +93,31 @@ def test_activations_equal_what_autograd_keeps(tokenizer, precision, dropout, ta
     predicted = parts["activations"] + 4 * shape.vocab * b * (s - 1)  # autograd keeps the fp32 log-softmax output
     adapter_copies = 0 if precision == "fp32" else parts["adapter"] // 3  # autocast's bf16 copies of LoRA weights
     assert kept == pytest.approx(predicted + adapter_copies, rel=0.02)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_fused_loss_keeps_one_hidden_sized_gradient_instead_of_the_logits(tokenizer, precision):
+    """With tunesmith.fused's loss autograd keeps the activations and d loss / d hidden of the supervised rows; the
+    plan adds what lives only while the loss runs (one chunk of logits, the gathered hidden states)."""
+    from tunesmith.fused import chunk_rows, chunked_loss_sum
+
+    model = make_model(tokenizer, layers=3, hidden=128).to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    shape = M.ModelShape.from_config(model.config)
+    model = attach_lora(model, 8, 16.0, 0.0, ["q_proj", "v_proj"]).train()
+    b, s = 2, 64
+    ids = torch.randint(0, shape.vocab, (b, s), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    kept = _saved_bytes(model, batch, precision, chunked_loss_sum)
+    setup = M.TrainSetup(seq_len=s, batch_size=b, lora_dropout=0.0, precision=precision, device_type="cpu",
+                         fused_loss=True)
+    parts = M.train_parts(shape, setup)
+    a = 4 if precision == "fp32" else 2
+    adapter_copies = 0 if precision == "fp32" else parts["adapter"] // 3
+    assert kept == pytest.approx(parts["activations"] + b * (s - 1) * shape.hidden * a + adapter_copies, rel=0.02)
+    rows = min(b * (s - 1), chunk_rows("cpu", shape.vocab))
+    assert parts["logits"] == rows * shape.vocab * (4 if precision == "fp32" else 6) + 2 * b * s * shape.hidden * a
+    plain = M.train_parts(shape, replace(setup, fused_loss=False))
+    assert parts["logits"] < plain["logits"] and parts["activations"] == plain["activations"]
 
 
 def test_grouped_query_fp32_on_cuda_keeps_attention_scores(shape):

@@ -65,7 +65,8 @@ def test_repeated_oom_halves_again(tmp_path, tiny_dir, text_file, tokenizer):
     fails = FailAt(OOM_AT_STEP, torch.OutOfMemoryError("CUDA out of memory"), times=2)
     recovered = _run(tmp_path, tiny_dir, text_file, tokenizer, "four", fails, batch_size=4)
     assert (recovered.batch_size, recovered.grad_accum) == (1, 4)
-    assert recovered.losses == pytest.approx(reference.losses, abs=1e-6)
+    # float32 rounding: the fused loss sums each micro-batch's rows in its own order (a few ulps of a loss of 6)
+    assert recovered.losses == pytest.approx(reference.losses, rel=1e-6)
 
 
 def test_oom_at_micro_batch_1_gives_up_clearly(tmp_path, tiny_dir, text_file, tokenizer):

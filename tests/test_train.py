@@ -82,12 +82,12 @@ def test_an_injected_loss_is_what_trains_and_the_callback_sees_every_step(tmp_pa
 
     calls = []
 
-    def counted(model, batch):  # loss_sum, counted: the default, so the run must be the default's bit for bit
+    def counted(model, batch):  # loss_sum, counted: the plain path's loss, so the run must be its bit for bit
         calls.append(batch["input_ids"].shape[0])
         return loss_sum(model, batch)
 
     seen: list[StepRecord] = []
-    default = _run(tmp_path, tiny_dir, text_file, tokenizer, "default")
+    default = _run(tmp_path, tiny_dir, text_file, tokenizer, "default", fused_loss=False)
     r = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "injected")), loss=counted,
               callback=seen.append, progress=False)
     assert calls == [2] * 5 and r.losses == default.losses  # one micro-batch of 2 per step, the same losses
@@ -141,7 +141,7 @@ def test_training_starts_by_naming_device_precision_and_trainable_parameters(tmp
     assert r.trainable_params == lora
     lines = [x for x in capsys.readouterr().err.splitlines() if "trainable parameters" in x]
     assert lines == [f"tunesmith: training on cpu in fp32: {lora:,} trainable parameters, "
-                     f"{lora / (every + lora):.2%} of {every + lora:,}"]
+                     f"{lora / (every + lora):.2%} of {every + lora:,}; fused loss"]
 
 
 # ---- the time budget and its floor ---------------------------------------------------------------------------

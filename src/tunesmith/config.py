@@ -195,6 +195,12 @@ class TrainConfig(DataConfig, ModelConfig):
     eval_batches: int = opt(0, "validation batches per evaluation (0: the whole split)", bounds=COUNT)
     log_every: int = opt(1, "write a metrics.jsonl line every N steps", bounds=AT_LEAST_1)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    fused_loss: bool = opt(True, "cross-entropy a few hundred tokens at a time, gradient included, never holding the "
+                           "whole [batch, seq, vocab] logits (--no-fused-loss: the plain path)")
+    liger: bool = opt(True, "on CUDA, Liger Kernel's Triton RMSNorm, SwiGLU and RoPE for Llama-family models, where "
+                      "liger-kernel is installed (pip install 'tunesmith[cuda]')")
+    compile: bool = opt(False, "torch.compile each decoder layer (regional: the first compiles, the rest reuse it)")
+    fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",
         bounds=COUNT,

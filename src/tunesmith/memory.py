@@ -145,6 +145,7 @@ class TrainSetup:
     optimizer: str = "adamw"
     gradient_checkpointing: bool = False
     fused_sdpa: bool = True  # False: attention scores (B x heads x S x S) are materialised
+    fused_loss: bool = False  # True: cross-entropy in row chunks (tunesmith.fused), no [B x S x vocab] logits
     device_type: str = "cuda"  # cuda's dropout keeps a 1-byte mask; the CPU and MPS keep fp32 noise
 
 
@@ -216,6 +217,13 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     # computed holds one more such tensor for a moment.
     scores = 0 if s.fused_sdpa else s.batch_size * shape.heads * s.seq_len**2 * a
     logits = LOGITS_BYTES_PER_VOCAB * shape.vocab * s.batch_size * (s.seq_len - 1)
+    if s.fused_loss:
+        # One chunk's fp32 logits (softmax and gradient in the same memory) and, under autocast, their half copy;
+        # the supervised rows' hidden states and their gradient, computed in the forward pass and kept.
+        from tunesmith.fused import chunk_rows
+
+        rows = min(s.batch_size * (s.seq_len - 1), chunk_rows(s.device_type, shape.vocab))
+        logits = rows * shape.vocab * (4 if s.precision == "fp32" else 6) + 2 * s.batch_size * s.seq_len * shape.hidden * a
     if s.gradient_checkpointing:
         # Each layer keeps only its input. Backward recomputes one layer at a time, after the logits' gradient
         # is gone, so that layer counts only where it outweighs the logits peak.
@@ -353,6 +361,7 @@ def plan_run(
         lora_targets=tuple(cfg.lora_targets), lora_dropout=cfg.lora_dropout, precision=precision,
         optimizer=getattr(cfg, "optimizer", "adamw"), gradient_checkpointing=cfg.gradient_checkpointing,
         fused_sdpa=fused_sdpa(device, precision, shape.kv_heads < shape.heads), device_type=device.type,
+        fused_loss=bool(getattr(cfg, "fused_loss", False)),
     )
     p = plan(shape, setup, total, available)
     if auto:

@@ -47,6 +47,13 @@ from tunesmith.device import (
 )
 from tunesmith.errors import Interrupted, TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
+from tunesmith.fused import (
+    apply_liger,
+    chunked_loss_sum,
+    compile_layers,
+    liger_available,
+    supports_chunked_loss,
+)
 from tunesmith.lora import attach_lora, save_adapter, trainable_parameters
 from tunesmith.models import load_model, load_tokenizer
 
@@ -209,7 +216,9 @@ def train(
     with run.log:
         result = TrainResult(run.run_dir, run.run_dir / "adapter", trainable_params=trainable_parameters(run.model),
                              losses=[r["loss"] for r in run.log.rows if r.get("kind") == "train"])
-        train_loop(cfg, run, result, loss or loss_sum, callback, progress and run.accelerator.is_main_process)
+        if loss is None:  # the fused loss where the model allows it; the plain one is the reference
+            loss = chunked_loss_sum if cfg.fused_loss and supports_chunked_loss(run.model) else loss_sum
+        train_loop(cfg, run, result, loss, callback, progress and run.accelerator.is_main_process)
     return _finish(cfg, run, result)
 
 
@@ -268,15 +277,21 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
                                       allow_pickle=cfg.allow_pickle)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
+    kernels = _kernels(cfg, device, model, say)
     set_seed(cfg.seed)  # LoRA init draws from the RNG: same seed, same adapter
     model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    if cfg.compile:
+        compile_layers(model)
+        kernels.append("compiled layers")
     params = [p for p in model.parameters() if p.requires_grad]
     trainable, every = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     world = accelerator.num_processes
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    fused = cfg.fused_adamw and device.type == "cuda"  # one kernel for every LoRA tensor's update
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+    kernels += ["fused AdamW"] if fused else []
     per_epoch, total = plan_steps(cfg, len(data.train), world, batch_size)
     schedule = Schedule(total, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -304,7 +319,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         say(f"resuming from {ckpt.path} (step {state.step} of {schedule.total})")
     # Set-up is done: say what trains, where, at what precision (the one line a user checks first)
     on = f"{accelerator.device} x {world} processes" if world > 1 else f"{accelerator.device}"
-    say(f"training on {on} in {precision}: {trainable:,} trainable parameters, {trainable / every:.2%} of {every:,}")
+    say(f"training on {on} in {precision}: {trainable:,} trainable parameters, {trainable / every:.2%} of {every:,}"
+        + (f"; {', '.join(kernels)}" if kernels else ""))
     per_step = batch_size * cfg.grad_accum * world  # examples per optimizer step; out-of-memory recovery keeps it
     if state.batch_size:  # out-of-memory recovery had halved the micro-batch
         batch_size = min(batch_size, state.batch_size)
@@ -422,6 +438,18 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
 # ------------------------------------------------------------------------------------------------ helpers
 
 
+def _kernels(cfg: TrainConfig, device: torch.device, model, say) -> list[str]:
+    """Liger's kernels on CUDA where asked for and installed; what the start line reports of the fast paths."""
+    done = ["fused loss"] if cfg.fused_loss and supports_chunked_loss(model) else []
+    if cfg.liger and device.type == "cuda":
+        if liger_available():
+            done += [f"Liger {', '.join(k)}" for k in [apply_liger(model)] if k]
+        else:
+            say("liger-kernel is not installed: pip install 'tunesmith[cuda]' for its Triton kernels "
+                "(--no-liger hides this note)")
+    return done
+
+
 def _skipped(step: int, loss: float, grad_norm: float, streak: int, cfg: TrainConfig, log: RunLog, say,
              saver: Checkpointer) -> None:
     """Log a step the non-finite guard skipped; after cfg.max_bad_steps in a row, stop with a diagnosis."""
@@ -449,17 +477,22 @@ def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: i
                 loss_fn: LossFn = loss_sum) -> float:
     """Forward and backward one optimizer step's examples in micro-batches; returns the step's loss."""
     micro = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
-    step_loss = 0.0
+    device = accelerator.device
+    parts = []  # kept on the device: one host sync per step, not one per micro-batch
     for i, chunk in enumerate(micro):
-        batch = {k: v.to(accelerator.device) for k, v in collate(chunk, pad_id).items()}
+        batch = collate(chunk, pad_id)
+        if device.type == "cuda":  # pinned: the copy runs asynchronously, behind the kernels already queued
+            batch = {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+        else:
+            batch = {k: v.to(device) for k, v in batch.items()}
         # DDP all-reduces gradients on every backward; only the step's last micro-batch needs it.
         sync = accelerator.no_sync(model) if i < len(micro) - 1 else nullcontext()
         with sync, accelerator.autocast():
             s, _ = loss_fn(model, batch)
             loss = s / n_tokens
             accelerator.backward(loss)
-        step_loss += float(loss.detach())
-    return step_loss
+        parts.append(loss.detach().float())
+    return sum(torch.stack(parts).tolist())
 
 
 def _halve_batch(device: torch.device, step: int, batch_size: int, examples: int, bar, progress: bool,

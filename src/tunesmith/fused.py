@@ -1,0 +1,213 @@
+"""The trainer's fast paths, each with a switch back to the plain one (evaluate.loss_sum, eager PyTorch).
+
+- `chunked_loss_sum`: next-token cross-entropy that never holds the [batch, seq, vocab] logits. The decoder runs as
+  usual up to its last hidden states; only the supervised positions go on, a few hundred rows at a time, through
+  the output layer, log-softmax and its gradient, which is computed right there (as Liger's fused linear
+  cross-entropy does), so the backward pass has nothing vocabulary-sized to keep. Plain PyTorch: it serves the CPU,
+  MPS and CUDA alike, where the logits of a 128k vocabulary are the largest tensor of a training step.
+- `apply_liger`: Liger Kernel's Triton RMSNorm and SwiGLU on CUDA (`pip install 'tunesmith[cuda]'`).
+- `compile_layers`: torch.compile of each decoder layer (regional: one compiled graph serves every layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tunesmith.data import IGNORE
+
+CHUNK_BYTES = {"cuda": 512 << 20, "mps": 64 << 20}  # fp32 logits per chunk; the CPU and others: 32 MiB
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside accelerate's / DDP's wrapper and PEFT's."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "OptimizedModule":
+            model = model.module if hasattr(model, "module") else model._orig_mod
+        elif hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def supports_chunked_loss(model: torch.nn.Module) -> bool:
+    """Whether the model's output layer is a plain (not LoRA-wrapped) linear with no bias, after a decoder that
+    transformers lets us reach (get_decoder) and that takes `logits_to_keep`."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    return (type(head) is torch.nn.Linear and head.bias is None and decoder is not None
+            and "logits_to_keep" in _forward_params(lm))
+
+
+def _forward_params(module) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(module.forward).parameters)
+
+
+def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """evaluate.loss_sum without the full-vocabulary logits: the same value and gradients (to rounding)."""
+    lm = causal_lm(model)
+    head, decoder = lm.get_output_embeddings(), lm.get_decoder()
+    captured: list[torch.Tensor] = []
+
+    def keep(_module, _args, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    hook = decoder.register_forward_hook(keep)
+    try:
+        # logits_to_keep with no positions: the model's own output layer computes nothing
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=batch["input_ids"].device))
+    finally:
+        hook.remove()
+    labels = batch["labels"][:, 1:]
+    keep_rows = labels != IGNORE
+    hidden = captured[0][:, :-1][keep_rows]  # [supervised tokens, hidden]
+    targets = labels[keep_rows]
+    softcap = getattr(lm.config, "final_logit_softcapping", None) or 0.0
+    loss = linear_cross_entropy_sum(hidden, head.weight, targets, softcap)
+    return loss, int(targets.numel())
+
+
+def chunk_rows(device_type: str, vocab: int) -> int:
+    """Rows of logits computed at once: as many as fit the device's chunk budget in fp32 (at least 16)."""
+    return max(16, CHUNK_BYTES.get(device_type, DEFAULT_CHUNK_BYTES) // (vocab * 4))
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             softcap: float = 0.0, rows: int | None = None) -> torch.Tensor:
+    """sum over rows of cross_entropy(hidden @ weight.T, targets), in row chunks; logits in float32 (as the plain
+    path upcasts them), softcapped as cap * tanh(logits / cap) when `softcap` > 0."""
+    if rows is None:
+        rows = chunk_rows(hidden.device.type, weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, targets, float(softcap), int(rows))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and, chunk by chunk, the gradients too: d loss / d logits = softmax - one_hot is
+    known as soon as a chunk's logits are, so it goes straight through the output layer (into d hidden, and into
+    d weight if the weight trains) and the chunk's logits are dropped. Backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, softcap, chunk_rows):
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+            else hidden.dtype
+        w = weight.to(dtype)
+        need_w = weight.requires_grad
+        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_rows):
+                h = hidden[start:start + chunk_rows].to(dtype)
+                t = targets[start:start + chunk_rows]
+                logits = (h @ w.T).float()
+                if softcap:
+                    capped = torch.tanh(logits / softcap)
+                    logits = capped * softcap
+                lse = torch.logsumexp(logits, dim=-1)
+                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                if grad_hidden is None and grad_weight is None:
+                    continue
+                grad = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+                grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                if softcap:
+                    grad *= 1.0 - capped * capped
+                grad = grad.to(dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:start + chunk_rows] = (grad @ w).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight += (grad.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        gh = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
+        gw = (grad_weight * grad_output).to(ctx.weight_dtype) if grad_weight is not None else None
+        return gh, gw, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------ CUDA kernels
+
+LIGER_MODEL_TYPES = ("llama",)  # RMSNorm + SwiGLU MLP + rotate-half RoPE, the shapes Liger's kernels compute
+
+
+def liger_available() -> bool:
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def apply_liger(model: torch.nn.Module) -> list[str]:
+    """Liger Kernel's Triton RMSNorm and SwiGLU on this model's modules (instance by instance: other models in the
+    process keep the eager ones), and its RoPE wherever the inputs are CUDA tensors. Call before LoRA is attached
+    or after: the MLP still calls its own gate/up/down projections, LoRA-wrapped or not. Returns what was
+    replaced (empty: not a Llama-family model)."""
+    from types import MethodType
+
+    from liger_kernel.transformers.functional import liger_rms_norm, liger_swiglu
+
+    lm = causal_lm(model)
+    if getattr(lm.config, "model_type", None) not in LIGER_MODEL_TYPES:
+        return []
+    act = getattr(lm.config, "hidden_act", "silu")
+    done = []
+
+    def rms_norm(self, x):
+        return liger_rms_norm(x, self.weight, self.variance_epsilon)
+
+    def swiglu(self, x):
+        return self.down_proj(liger_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    for module in lm.modules():
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = MethodType(rms_norm, module)
+            done.append("rms_norm")
+        elif kind.endswith("MLP") and act == "silu" and all(hasattr(module, p) for p in ("gate_proj", "up_proj",
+                                                                                          "down_proj")):
+            module.forward = MethodType(swiglu, module)
+            done.append("swiglu")
+    if _patch_rope(lm):
+        done.append("rope")
+    return sorted(set(done))
+
+
+def _patch_rope(lm) -> bool:
+    """Liger's RoPE kernel in place of transformers' apply_rotary_pos_emb for CUDA inputs (the function is
+    module-level in transformers, so the swap is too; other devices still get the original)."""
+    import importlib
+
+    from liger_kernel.transformers.functional import liger_rope
+
+    module = importlib.import_module(type(lm).__module__)
+    original = getattr(module, "apply_rotary_pos_emb", None)
+    if original is None:
+        return False
+    if getattr(original, "_tunesmith_liger", False):
+        return True
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if q.is_cuda and not args and set(kwargs) <= {"unsqueeze_dim"} and cos.shape[-1] == q.shape[-1]:
+            return liger_rope(q, k, cos, sin, unsqueeze_dim=kwargs.get("unsqueeze_dim", 1))
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb._tunesmith_liger = True
+    module.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return True
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """torch.compile each decoder layer in place (regional compilation: the layers share code, so the first one
+    compiles and the rest reuse it; warm-up stays in seconds, not the minutes of a whole-model compile)."""
+    layers = causal_lm(model).get_decoder().layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)

@@ -1,0 +1,188 @@
+"""The trainer's fast paths against the plain ones they replace."""
+
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tunesmith import fused
+from tunesmith.data import IGNORE
+from tunesmith.evaluate import loss_sum
+from tunesmith.lora import attach_lora
+from tunesmith.train import train
+
+from .conftest import make_model, tiny_train_config
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+@pytest.mark.parametrize("chunk_rows", [1, 4, 100])
+def test_linear_cross_entropy_equals_the_full_logits_path_value_and_gradients(softcap, chunk_rows):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 8, generator=g, requires_grad=True)
+    weight = torch.randn(37, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, 37, (11,), generator=g)
+    logits = hidden @ weight.T
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    ref = F.cross_entropy(logits, targets, reduction="sum")
+    (ref * 0.7).backward()  # a scaled loss: backward must carry the incoming gradient
+    ref_h, ref_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    got = fused.linear_cross_entropy_sum(hidden, weight, targets, softcap, chunk_rows)
+    (got * 0.7).backward()
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(hidden.grad, ref_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_weight_gets_no_gradient_and_no_rows_give_zero():
+    hidden = torch.randn(5, 8, requires_grad=True)
+    weight = torch.randn(9, 8)
+    fused.linear_cross_entropy_sum(hidden, weight, torch.arange(5), rows=2).backward()
+    assert weight.grad is None and hidden.grad.shape == hidden.shape
+    empty = torch.zeros(0, 8, requires_grad=True)
+    assert fused.linear_cross_entropy_sum(empty, weight, torch.zeros(0, dtype=torch.long)).item() == 0.0
+
+
+def _batch(tokenizer):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, len(tokenizer), (3, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = IGNORE  # a prompt that is not trained on
+    mask = torch.ones_like(ids)
+    mask[2, 9:] = 0  # right padding
+    labels[2, 9:] = IGNORE
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_loss_sum_equals_loss_sum_on_a_lora_model(tokenizer, monkeypatch, tied):
+    monkeypatch.setattr(fused, "DEFAULT_CHUNK_BYTES", 5 * len(tokenizer) * 4)  # 16 rows a chunk: several chunks
+    model = attach_lora(make_model(tokenizer, tie_word_embeddings=tied), 4, 8, 0.0, ["q_proj", "v_proj"])
+    assert fused.supports_chunked_loss(model)
+    batch = _batch(tokenizer)
+    grads = []
+    for fn in (loss_sum, fused.chunked_loss_sum):
+        model.zero_grad(set_to_none=True)
+        total, n = fn(model, batch)
+        (total / n).backward()
+        grads.append((total.item(), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}))
+    (ref, ref_n, ref_g), (got, got_n, got_g) = grads
+    assert got_n == ref_n == 3 * 11 - 4 - 3  # 11 targets a row, less the prompt's 4 and the padding's 3
+    assert got == pytest.approx(ref, rel=1e-6)
+    assert ref_g.keys() == got_g.keys() and len(ref_g) == 8
+    for k in ref_g:
+        torch.testing.assert_close(got_g[k], ref_g[k], rtol=1e-4, atol=1e-7)
+
+
+def test_lora_on_the_output_layer_keeps_the_plain_loss(tokenizer):
+    model = attach_lora(make_model(tokenizer), 4, 8, 0.0, ["q_proj", "lm_head"])
+    assert not fused.supports_chunked_loss(model)
+
+
+def test_under_bf16_autocast_the_chunked_loss_stays_close(tokenizer):
+    model = attach_lora(make_model(tokenizer), 4, 8, 0.0, ["q_proj", "v_proj"])
+    batch = _batch(tokenizer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, _ = loss_sum(model, batch)
+        got, _ = fused.chunked_loss_sum(model, batch)
+    assert got.item() == pytest.approx(ref.item(), rel=2e-3)
+
+
+def test_fifty_steps_with_the_fused_loss_follow_the_plain_losses(tmp_path, tiny_dir, text_file):
+    """Acceptance: the optimized path's 50 losses within 1% of the plain path's (same seed, same data)."""
+    runs = {}
+    for name, on in (("plain", False), ("fused", True)):
+        cfg = tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / name), max_steps=50,
+                                fused_loss=on, lora_dropout=0.05, lr=5e-3)
+        runs[name] = train(cfg, progress=False).losses
+    assert len(runs["fused"]) == 50
+    assert runs["fused"] == pytest.approx(runs["plain"], rel=1e-2)
+    assert runs["fused"][0] == pytest.approx(runs["plain"][0], rel=1e-5)
+
+
+def test_a_nan_through_the_fused_loss_is_skipped_like_any_other(tmp_path, text_file, tokenizer):
+    from tunesmith.data import load_data
+
+    model, calls = make_model(tokenizer), {"n": 0}
+
+    def poison(module, args, output):  # the final norm's output at step 3's forward: a NaN loss
+        calls["n"] += module.training
+        return output * float("nan") if module.training and calls["n"] == 3 else None
+
+    model.model.norm.register_forward_hook(poison)
+    cfg = tiny_train_config(tmp_path, "injected", text_file, max_steps=5, lora_dropout=0.0)
+    r = train(cfg, model=model, tokenizer=tokenizer, data=load_data(str(text_file), tokenizer, cfg.seq_len),
+              progress=False)
+    rows = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["loss"]) for row in rows if row["kind"] == "skip"] == [(3, "nan")]
+    assert len(r.losses) == 4 and all(math.isfinite(x) for x in r.losses)
+
+
+def test_the_start_line_names_the_fast_paths(tmp_path, tiny_dir, text_file, capsys):
+    train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=1), progress=True)
+    assert "; fused loss" in capsys.readouterr().err
+    train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "b"), max_steps=1,
+                            fused_loss=False), progress=True)
+    assert "fused loss" not in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """liger_kernel's functional API with eager stand-ins, counting calls (Liger's kernels need CUDA)."""
+    calls = {"rms_norm": 0, "swiglu": 0, "rope": 0}
+
+    def liger_rms_norm(x, w, eps):
+        calls["rms_norm"] += 1
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def liger_swiglu(a, b):
+        calls["swiglu"] += 1
+        return F.silu(a) * b
+
+    def liger_rope(q, k, cos, sin, unsqueeze_dim=1):
+        calls["rope"] += 1
+        raise AssertionError("RoPE must not reach Liger for CPU tensors")
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_rms_norm, functional.liger_swiglu, functional.liger_rope = liger_rms_norm, liger_swiglu, liger_rope
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
+    import transformers.models.llama.modeling_llama as modeling
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)  # restored after
+    return calls
+
+
+def test_liger_replaces_this_model_s_norms_and_mlps_only(tokenizer, fake_liger):
+    assert fused.liger_available()
+    model, other = make_model(tokenizer), make_model(tokenizer)
+    ids = torch.randint(3, len(tokenizer), (2, 10))
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert fused.apply_liger(model) == ["rms_norm", "rope", "swiglu"]
+    model = attach_lora(model, 4, 8, 0.0, "all-linear")  # LoRA-wrapped projections inside the new MLP forward
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref)
+        other(ids)
+    layers = len(model.get_base_model().model.layers)
+    assert fake_liger["swiglu"] == layers and fake_liger["rms_norm"] == 2 * layers + 1
+    assert fake_liger["rope"] == 0  # CPU tensors keep transformers' RoPE
+
+
+def test_liger_leaves_other_architectures_alone(tokenizer, fake_liger):
+    model = make_model(tokenizer)
+    model.config.model_type = "gemma3_text"
+    assert fused.apply_liger(model) == []
+
+
+def test_liger_is_not_applied_off_cuda_and_its_absence_is_quiet_there(tmp_path, tiny_dir, text_file, capsys):
+    train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=1, liger=True), progress=True)
+    assert "liger" not in capsys.readouterr().err.lower()
