@@ -54,7 +54,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QV = ("q_proj", "v_proj")
 TOOLS = ["tunesmith", "tunesmith-plain", "hf", "liger", "unsloth"]
-PLAIN_FLAGS = {"fused_loss": False, "liger": False, "compile": False, "fused_adamw": False}
+PLAIN_FLAGS = {"fused_loss": False, "liger": False, "compile": "off", "fused_adamw": False}
 # Every process runs offline and silent; UNSLOTH_DISABLE_STATISTICS stops Unsloth's environment ping at load.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1", "UNSLOTH_DISABLE_STATISTICS": "1",
@@ -444,7 +444,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=None,
                     help="first steps left out of the timing (default: cuda 5, cpu 3)")
     ap.add_argument("--ts-flags", default="",
-                    help="TrainConfig fields for tunesmith and tunesmith-plain, e.g. 'compile=True,seed=1' "
+                    help="TrainConfig fields for tunesmith and tunesmith-plain, e.g. 'compile=on,seed=1' "
                     "(tunesmith-plain then sets PLAIN_FLAGS over them)")
     ap.add_argument("--out", default="", help="JSON Lines file the results are appended to "
                     "(default: <workdir>/results.jsonl)")

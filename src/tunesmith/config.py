@@ -199,7 +199,8 @@ class TrainConfig(DataConfig, ModelConfig):
                            "whole [batch, seq, vocab] logits (--no-fused-loss: the plain path)")
     liger: bool = opt(True, "on CUDA, Liger Kernel's Triton RMSNorm, SwiGLU and RoPE for Llama-family models, where "
                       "liger-kernel is installed (pip install 'tunesmith[cuda]')")
-    compile: bool = opt(False, "torch.compile each decoder layer (regional: the first compiles, the rest reuse it)")
+    compile: str = opt("auto", "torch.compile each decoder layer (regional: the first compiles, the rest reuse it): "
+                       "auto (on CUDA), on, off", choices=["auto", "on", "off"])
     fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",

@@ -283,7 +283,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    if cfg.compile:
+    if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"):
         compile_layers(model)
         kernels.append("compiled layers")
     params = [p for p in model.parameters() if p.requires_grad]
