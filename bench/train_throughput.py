@@ -190,13 +190,14 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
     flags = {k: v for k, v in flags.items() if k in known}
     ends: list[float] = []
     with tempfile.TemporaryDirectory(prefix="tt-run-", dir=a.workdir) as out:
-        cfg = TrainConfig(
+        settings = dict(
             model=str(folder), output=out, device=a.device,
             precision="bf16" if a.device == "cuda" else "fp32", seq_len=row.seq, batch_size=row.batch,
             max_steps=a.steps, lr=2e-4, warmup_steps=0, lora_rank=row.rank, lora_alpha=row.alpha,
             lora_dropout=a.dropout, lora_targets=list(row.targets), eval_every=0, checkpoint_every=0,
-            log_every=1, seed=0, overwrite=True, **flags,
+            log_every=1, seed=0, overwrite=True,
         )
+        cfg = TrainConfig(**{**settings, **flags})  # --ts-flags may override any of these (precision=bf16...)
         # StepRecord.elapsed is read right after the step's synchronize, before the end-of-run checkpoint.
         result = train(cfg, data=TokenData(train=data, valid=[], source="bench"), progress=False,
                        callback=lambda r: ends.append(r.elapsed))

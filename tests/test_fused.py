@@ -186,3 +186,22 @@ def test_liger_leaves_other_architectures_alone(tokenizer, fake_liger):
 def test_liger_is_not_applied_off_cuda_and_its_absence_is_quiet_there(tmp_path, tiny_dir, text_file, capsys):
     train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=1, liger=True), progress=True)
     assert "liger" not in capsys.readouterr().err.lower()
+
+
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_training_builds_no_kv_cache(tmp_path, tiny_dir, text_file, monkeypatch, fused_loss):
+    """A cache is useless in training, and with --compile each layer's own cache object made the compiled layer
+    recompile per layer until torch gave up (8 recompiles) and ran the rest eagerly."""
+    from transformers import cache_utils
+
+    made = []
+    original = cache_utils.DynamicCache.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicCache, "__init__", counting)
+    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=2, eval_every=1, fused_loss=fused_loss),
+              progress=False)
+    assert r.steps == 2 and len(r.evals) == 2 and made == []

@@ -58,7 +58,8 @@ def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     hook = decoder.register_forward_hook(keep)
     try:
         # logits_to_keep with no positions: the model's own output layer computes nothing
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        # No KV cache in training: it is not needed, and a compiled layer would recompile for every layer's cache
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
               logits_to_keep=torch.zeros(0, dtype=torch.long, device=batch["input_ids"].device))
     finally:
         hook.remove()
@@ -107,11 +108,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if softcap:
                     capped = torch.tanh(logits / softcap)
                     logits = capped * softcap
-                lse = torch.logsumexp(logits, dim=-1)
-                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                # log-sum-exp and softmax in the logits' own memory: on the CPU every new chunk-sized tensor is
+                # fresh pages from the kernel, which cost as much as the arithmetic
+                target_logit = logits.gather(1, t[:, None]).squeeze(1)
+                top = logits.amax(dim=-1, keepdim=True)
+                probs = logits.sub_(top).exp_()
+                sums = probs.sum(dim=-1, keepdim=True)
+                total += (sums.log() + top - target_logit[:, None]).sum()
                 if grad_hidden is None and grad_weight is None:
                     continue
-                grad = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+                grad = probs.div_(sums)  # softmax
                 grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
                 if softcap:
                     grad *= 1.0 - capped * capped
