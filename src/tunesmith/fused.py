@@ -5,7 +5,7 @@
   the output layer, log-softmax and its gradient, which is computed right there (as Liger's fused linear
   cross-entropy does), so the backward pass has nothing vocabulary-sized to keep. Plain PyTorch: it serves the CPU,
   MPS and CUDA alike, where the logits of a 128k vocabulary are the largest tensor of a training step.
-- `apply_liger`: Liger Kernel's Triton RMSNorm and SwiGLU on CUDA (`pip install 'tunesmith[cuda]'`).
+- `apply_liger`: Liger Kernel's Triton RMSNorm, SwiGLU and RoPE on CUDA (`pip install 'tunesmith[cuda]'`).
 - `compile_layers`: torch.compile of each decoder layer (regional: one compiled graph serves every layer).
 """
 
@@ -57,8 +57,8 @@ def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
 
     hook = decoder.register_forward_hook(keep)
     try:
-        # logits_to_keep with no positions: the model's own output layer computes nothing
-        # No KV cache in training: it is not needed, and a compiled layer would recompile for every layer's cache
+        # logits_to_keep with no positions: the model's own output layer computes nothing. No KV cache: training
+        # needs none, and a compiled layer would recompile for every layer's cache object
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
               logits_to_keep=torch.zeros(0, dtype=torch.long, device=batch["input_ids"].device))
     finally:
