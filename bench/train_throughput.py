@@ -16,10 +16,9 @@ steps, each in its own process (Liger and Unsloth patch transformers classes glo
 GPU rows use random weights (torch.manual_seed(0)) of the real shapes, saved once as bf16 safetensors with a
 small tokenizer built in code (no downloads) under --workdir; their tokens are random. The CPU row trains the
 real SmolLM2-135M on the built-in Shakespeare. The GPU run needs liger-kernel and unsloth (with unsloth_zoo,
-bitsandbytes, trl, datasets, tyro...); offline machines get them as the wheels in .whl/:
+bitsandbytes, trl, datasets, tyro...): `pip install liger-kernel unsloth` online; offline machines get them as
+the wheels that bench/gpu_wheels.sh downloads into .whl/ (it says how to install each set there).
 
-    pip install --no-index --find-links .whl/liger --find-links .whl/common --find-links .whl/bnb \\
-        --find-links .whl/unsloth liger-kernel unsloth unsloth_zoo
     python bench/train_throughput.py --device cuda --out throughput-cuda.jsonl
     python bench/train_throughput.py --device cpu --out throughput-cpu.jsonl
     python bench/train_throughput.py --device cpu --smoke        # the plumbing, in seconds

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The peers bench/train_throughput.py runs on an offline GPU machine (Python 3.12, torch 2.11, transformers 5.17),
+# downloaded here as wheels into .whl/<set>/ (keep .whl/ out of git: `echo /.whl/ >> .git/info/exclude`).
+# Each set stays under one 64 MiB transfer; on the GPU machine install a set with
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/<set>/*.whl && export PYTHONPATH=/tmp/site
+# liger + common + bnb fit one transfer; unsloth goes in the next one (a warm machine keeps /tmp/site).
+# Versions: unsloth 2026.10.9 allows transformers <= 5.17.0, trl <= 1.15.0, datasets < 5.
+set -euo pipefail
+get() {  # set, then name==version...
+  local set=$1; shift
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    -d ".whl/$set" "$@"
+}
+get liger liger-kernel==0.8.5
+get common datasets==4.8.5 dill==0.4.1 docstring-parser==0.18.0 multiprocess==0.70.19 shtab==1.13.0 trl==1.15.0 \
+  typeguard==4.6.1 tyro==1.0.17
+get bnb bitsandbytes==0.50.2
+get unsloth unsloth==2026.10.9 unsloth-zoo==2026.10.9 annotated-types==0.8.0 cut-cross-entropy==25.1.1 \
+  hf-transfer==0.1.9 json5==0.17.3 msgspec==0.23.0 nest-asyncio==1.6.0 pydantic==2.13.5 pydantic-core==2.46.5 \
+  structlog==26.1.0 torchao==0.18.0 typing-inspection==0.4.2
+du -sh .whl/*
