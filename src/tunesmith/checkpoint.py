@@ -44,6 +44,8 @@ FORMAT = 1
 ADAPTER, ADAPTER_CONFIG, OPTIMIZER, STATE, MARKER = (
     "adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "state.json", "COMMITTED",
 )
+CODES, SCALES = ".codes8", ".scales8"  # an 8-bit optimizer moment, saved as its two tensors
+TRAINABLE = "trainable.safetensors"  # full fine-tuning: the trained parameters by name (a checkpoint is no adapter)
 PREFIX = "step-"
 # Settings that change how a run is kept or logged, not what it computes: they may differ on resume without a word.
 BOOKKEEPING = frozenset({"output", "resume", "on_config_mismatch", "keep", "checkpoint_every", "log_every",
@@ -101,13 +103,17 @@ class Checkpointer:
         final = self.root / f"{PREFIX}{state.step:06d}"
         tmp = self.root / f"{storage.TMP_PREFIX}{final.name}-{os.getpid()}"
         tensors, meta = _optimizer_tensors(optimizer.state_dict())
-        payload = {
-            ADAPTER: _safetensors_bytes(_adapter_tensors(model)),
-            ADAPTER_CONFIG: json.dumps(adapter_config(model, self.config.get("model")), indent=2, sort_keys=True).encode(),
-            OPTIMIZER: _safetensors_bytes(tensors),
-        }
-        if self.config.get("model"):  # the base model, as a finished adapter folder records it
-            payload[BASE_FILE] = base_file(self.config["model"])
+        if hasattr(model, "peft_config"):  # the checkpoint is also an adapter folder the other verbs load
+            payload = {
+                ADAPTER: _safetensors_bytes(_adapter_tensors(model)),
+                ADAPTER_CONFIG: json.dumps(adapter_config(model, self.config.get("model")), indent=2,
+                                           sort_keys=True).encode(),
+            }
+            if self.config.get("model"):  # the base model, as a finished adapter folder records it
+                payload[BASE_FILE] = base_file(self.config["model"], self.config.get("quantize_base", "none"))
+        else:
+            payload = {TRAINABLE: _safetensors_bytes(_trainable_tensors(model))}
+        payload[OPTIMIZER] = _safetensors_bytes(tensors)
         body = {
             "format": FORMAT, **dataclasses.asdict(state), **self.identity, "config": self.config,
             "optimizer": meta, "scheduler": _scheduler_state(scheduler),
@@ -312,25 +318,14 @@ def restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, pla
 
 def _restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, planned_total: int, lr: float,
              weight_decay: float) -> TrainState:
-    from peft import set_peft_model_state_dict
-
     s = ckpt.state
-    weights = read_safetensors(ckpt.path / ADAPTER)
-    trainable = sum(1 for p in model.parameters() if p.requires_grad)
-    try:
-        result = set_peft_model_state_dict(model, weights)
-    except RuntimeError:  # a size mismatch
-        result = None
-    if result is None or getattr(result, "unexpected_keys", None) or len(weights) != trainable:
-        raise TunesmithError(
-            f"checkpoint {ckpt.path}: its adapter does not fit this model ({len(weights)} tensors saved, {trainable} "
-            "trainable here); --lora-rank, --lora-targets or --model differ from the checkpoint's"
-        )
+    _restore_weights(ckpt, model)
     opt_state = _optimizer_state(read_safetensors(ckpt.path / OPTIMIZER), s["optimizer"], optimizer.state_dict())
     try:
         optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError) as e:
         raise TunesmithError(f"checkpoint {ckpt.path}: optimizer state does not fit this model ({e})") from None
+    _requantize_8bit_state(optimizer)
     inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
     scheduler.load_state_dict({**s["scheduler"], "lr_lambdas": [None] * len(getattr(inner, "lr_lambdas", []))})
     if scaler is not None and s.get("scaler"):
@@ -341,11 +336,61 @@ def _restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, pl
     # so `--lr` lower on resume takes effect.
     for group in optimizer.param_groups:
         group["initial_lr"], group["weight_decay"] = lr, weight_decay
-        group["lr"] = lr * schedule(inner.last_epoch)
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers hold it as a tensor, updated in place
+            group["lr"].fill_(lr * schedule(inner.last_epoch))
+        else:
+            group["lr"] = lr * schedule(inner.last_epoch)
     inner.base_lrs = [lr for _ in optimizer.param_groups]
     inner._last_lr = [g["lr"] for g in optimizer.param_groups]
     names = {f.name for f in dataclasses.fields(TrainState)}
     return TrainState(**{k: v for k, v in s.items() if k in names})
+
+
+def _requantize_8bit_state(optimizer) -> None:
+    """torchao's 8-bit AdamW keeps its moments as 8-bit tensors, which a checkpoint holds as their codes and block
+    scales (_optimizer_tensors): rebuild each moment from them, bit for bit, so the resumed run continues exactly."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds it
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for name, signed in (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False)):
+                if name + CODES not in state:
+                    continue
+                moment = optimizer._new_buffer(p, signed)
+                moment.codes.copy_(state.pop(name + CODES))
+                moment.scale.copy_(state.pop(name + SCALES))
+                state[name] = moment
+
+
+def _restore_weights(ckpt: Checkpoint, model) -> None:
+    """The adapter's weights (LoRA, DoRA), or the trained parameters by name (full fine-tuning)."""
+    from peft import set_peft_model_state_dict
+
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    full = (ckpt.path / TRAINABLE).is_file()
+    if full != (not hasattr(model, "peft_config")):
+        saved, now = ("full", "an adapter") if full else ("an adapter", "full")
+        raise TunesmithError(f"checkpoint {ckpt.path} holds {saved} fine-tuning's weights, but this run trains "
+                             f"{now}; --fine-tune-type differs from the checkpoint's")
+    weights = read_safetensors(ckpt.path / (TRAINABLE if full else ADAPTER))
+    if full:
+        fits = set(weights) == set(trainable) and all(weights[n].shape == p.shape for n, p in trainable.items())
+        if fits:
+            with torch.no_grad():
+                for name, p in trainable.items():
+                    p.copy_(weights[name])
+    else:
+        try:
+            result = set_peft_model_state_dict(model, weights)
+        except RuntimeError:  # a size mismatch
+            result = None
+        fits = result is not None and not getattr(result, "unexpected_keys", None) and len(weights) == len(trainable)
+    if not fits:
+        raise TunesmithError(
+            f"checkpoint {ckpt.path}: its weights do not fit this model ({len(weights)} tensors saved, "
+            f"{len(trainable)} trainable here); --lora-rank, --lora-targets, --fine-tune-type, --num-layers or "
+            "--model differ from the checkpoint's"
+        )
 
 
 def carry_metrics(ckpt: Checkpoint, metrics: Path) -> list[dict]:
@@ -376,6 +421,10 @@ def _adapter_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
 
 
+def _trainable_tensors(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
 
@@ -388,10 +437,16 @@ def _optimizer_tensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     for idx, per_param in sd["state"].items():
         for name, value in per_param.items():
             if isinstance(value, torch.Tensor):
+                if type(value) is not torch.Tensor and hasattr(value, "codes") and hasattr(value, "scale"):
+                    # torchao's 8-bit AdamW moment: its codes and block scales, exactly (restore rebuilds it)
+                    tensors[f"state.{idx}.{name}{CODES}"] = value.codes.detach().contiguous().cpu()
+                    tensors[f"state.{idx}.{name}{SCALES}"] = value.scale.detach().contiguous().cpu()
+                    continue
                 tensors[f"state.{idx}.{name}"] = value.detach().contiguous().cpu()
             else:
                 scalars[f"{idx}.{name}"] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    groups = [{k: v.item() if isinstance(v, torch.Tensor) else v for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
 
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict, live: dict) -> dict:
@@ -405,14 +460,22 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict, live: dict) -
         state.setdefault(int(idx), {})[name] = value
     groups = []
     for saved, now in zip(meta["param_groups"], live["param_groups"], strict=False):
-        groups.append({k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()})
+        groups.append({k: tuple(v) if isinstance(now.get(k), tuple) else
+                       torch.tensor(v, dtype=now[k].dtype) if isinstance(now.get(k), torch.Tensor) else v
+                       for k, v in saved.items()})
     return {"state": state, "param_groups": groups}
 
 
 def _scheduler_state(scheduler) -> dict:
     # lr_lambdas holds the Schedule's fields; the horizon is saved on its own and the rest comes from the flags.
     sd = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-    return json.loads(json.dumps(sd))
+    return json.loads(json.dumps(sd, default=_tensor_item))  # torchao's optimizers give tensor learning rates
+
+
+def _tensor_item(value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"{type(value).__name__} in a scheduler's state")
 
 
 def capture_rng(device: str) -> dict[str, Any]:

@@ -191,6 +191,16 @@ class TrainConfig(DataConfig, ModelConfig):
     lora_alpha: float = opt(16.0, "LoRA alpha (scale = alpha / r)", bounds=POSITIVE)
     lora_dropout: float = opt(0.05, "dropout on the LoRA input", bounds=FRACTION)
     lora_targets: list[str] = opt(["q_proj", "v_proj"], "modules to adapt, comma-separated, or all-linear", type=targets_value)
+    fine_tune_type: str = opt(
+        "lora", "lora (low-rank adapters), dora (weight-decomposed LoRA: PEFT's use_dora) or full (the weights "
+        "themselves train; the result is a whole model in <output>/model)", choices=["lora", "dora", "full"])
+    quantize_base: str = opt(
+        "none", "QLoRA: hold the frozen base's linear layers in nf4 (torchao's NormalFloat4), int4 (group-wise) or "
+        "int8, for lora and dora; needs pip install 'tunesmith[qlora]'", choices=["none", "nf4", "int4", "int8"])
+    num_layers: int = opt(0, "adapt (with full: train) only the last N decoder layers (0 or -1: all of them)",
+                          bounds=Bounds(-1))
+    optimizer: str = opt("adamw", "adamw, or adamw8bit (torchao's AdamW with 8-bit moments: a quarter of its "
+                         "memory; needs tunesmith[qlora])", choices=["adamw", "adamw8bit"])
     eval_every: int = opt(50, "evaluate on the validation split every N steps (0: only at the end)", bounds=COUNT)
     eval_batches: int = opt(0, "validation batches per evaluation (0: the whole split)", bounds=COUNT)
     log_every: int = opt(1, "write a metrics.jsonl line every N steps", bounds=AT_LEAST_1)
@@ -228,6 +238,12 @@ class TrainConfig(DataConfig, ModelConfig):
         False, "let --model load pickle weights (.bin/.pt, read with weights_only=True) when it has no safetensors; "
         "pickle files can run code"
     )
+
+    def check(self) -> None:
+        if self.fine_tune_type == "full" and self.quantize_base != "none":
+            raise TunesmithError("--quantize-base is for lora and dora (a frozen base under adapters); full "
+                                 "fine-tuning trains the weights themselves: drop --quantize-base, or use "
+                                 "--fine-tune-type lora")
 
 
 @dataclass

@@ -26,8 +26,13 @@ def attach_lora(
     alpha: float = 16.0,
     dropout: float = 0.05,
     targets: list[str] | str = ("q_proj", "v_proj"),
+    dora: bool = False,
+    num_layers: int = 0,
 ):
-    """Wrap `model` with fresh LoRA adapters (B is zero, so the output is unchanged until training)."""
+    """Wrap `model` with fresh LoRA adapters (B is zero, so the output is unchanged until training).
+
+    `dora`: weight-decomposed LoRA (PEFT's use_dora: a trained magnitude per output row on top of the low-rank
+    direction); `num_layers` > 0 adapts only the last that many decoder layers."""
     from peft import LoraConfig, get_peft_model
 
     if rank < 1:
@@ -39,13 +44,42 @@ def attach_lora(
     if target_modules != "all-linear":
         check_targets(model, targets)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM",
+        use_dora=dora, layers_to_transform=last_layers(model, num_layers),
     )
     try:
         return get_peft_model(model, config)
     except ValueError as e:
         raise TunesmithError(f"--lora-targets {','.join(targets)}: {e}. Linear layers here: "
                              f"{', '.join(linear_names(model))}") from None
+
+
+def decoder_layers(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", None)
+    if not layers:
+        raise TunesmithError("--num-layers needs a transformers model whose config gives num_hidden_layers")
+    return int(layers)
+
+
+def last_layers(model: torch.nn.Module, num_layers: int) -> list[int] | None:
+    """The indices of the last `num_layers` decoder layers (None: all of them, for 0, -1 or more than there are)."""
+    if num_layers <= 0:
+        return None
+    total = decoder_layers(model)
+    return None if num_layers >= total else list(range(total - num_layers, total))
+
+
+def unfreeze(model: torch.nn.Module, num_layers: int = 0) -> None:
+    """Full fine-tuning: every parameter trains, or (num_layers > 0) those of the last num_layers decoder layers."""
+    import re
+
+    layers = last_layers(model, num_layers)
+    pattern = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+    for name, p in model.named_parameters():
+        hit = pattern.search(name)
+        p.requires_grad_(layers is None or (hit is not None and int(hit.group(1)) in layers))
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -73,6 +107,16 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
         f"--lora-targets: {', '.join(hints)} match{'es' if len(unmatched) == 1 else ''} no module of this model; "
         f"its linear layers are {', '.join(linear)} (or pass all-linear)"
     )
+
+
+def merge_adapter(peft_model, safe_merge: bool = False) -> torch.nn.Module:
+    """Fold the adapter into the base weights (PEFT's merge_and_unload). A quantized base (QLoRA) is first
+    dequantized: the merged weights are what the adapter was trained against plus its update."""
+    from tunesmith.qlora import dequantize_base, quantized_scheme
+
+    if quantized_scheme(peft_model) is not None:
+        dequantize_base(peft_model)
+    return peft_model.merge_and_unload(safe_merge=safe_merge)
 
 
 def trainable_parameters(model: torch.nn.Module) -> int:
@@ -142,12 +186,15 @@ def adapter_config(model, base_spec: str | None) -> dict:
     return config
 
 
-def base_file(base_spec: str) -> bytes:
-    """The bytes of tunesmith-adapter.json for an adapter trained on `base_spec`."""
-    return (json.dumps({"model": base_record(base_spec)[0]}, indent=2) + "\n").encode()
+def base_file(base_spec: str, quantize_base: str = "none") -> bytes:
+    """The bytes of tunesmith-adapter.json for an adapter trained on `base_spec` (held quantized: QLoRA)."""
+    record = {"model": base_record(base_spec)[0]}
+    if quantize_base != "none":
+        record["quantize_base"] = quantize_base
+    return (json.dumps(record, indent=2) + "\n").encode()
 
 
-def save_adapter(model, folder: str | Path, base_spec: str | None) -> Path:
+def save_adapter(model, folder: str | Path, base_spec: str | None, quantize_base: str = "none") -> Path:
     """Save the adapter as PEFT does (safetensors), recording the base model it was trained on."""
     folder = Path(folder)
     with atomic_folder(folder) as tmp:  # all or nothing, with the modes the user's umask gives
@@ -157,7 +204,7 @@ def save_adapter(model, folder: str | Path, base_spec: str | None) -> Path:
             config = json.loads(config_path.read_text(encoding="utf-8"))
             config["base_model_name_or_path"] = base_record(base_spec)[1]  # PEFT wrote the loaded (cache) path
             config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            (tmp / BASE_FILE).write_bytes(base_file(base_spec))
+            (tmp / BASE_FILE).write_bytes(base_file(base_spec, quantize_base))
     return folder
 
 
@@ -177,6 +224,18 @@ def recorded_base(adapter: str | Path) -> tuple[str | None, bool]:
     except (OSError, ValueError, AttributeError):
         return None, False  # check_adapter_folder says what is wrong when the adapter is loaded
     return (model, False) if isinstance(model, str) and model else (None, False)
+
+
+def recorded_quantization(adapter: str | Path | None) -> str:
+    """The scheme the base was held in when the adapter trained (QLoRA), or 'none'."""
+    record = Path(adapter) / BASE_FILE if adapter else None
+    if record is None or not record.is_file():
+        return "none"
+    try:
+        scheme = json.loads(record.read_text(encoding="utf-8")).get("quantize_base", "none")
+    except (OSError, ValueError, AttributeError):
+        raise TunesmithError(f"{record} is unreadable; delete it and pass --model") from None
+    return scheme if isinstance(scheme, str) else "none"
 
 
 def base_model_for(model: str | None, adapter: str | Path | None) -> str:
@@ -206,11 +265,12 @@ def base_model_for(model: str | None, adapter: str | Path | None) -> str:
 def load_with_adapter(model: str | None, adapter: str | Path | None, device="cpu", dtype: torch.dtype = torch.float32,
                       trust_remote_code: bool = False):
     """(model, tokenizer, spec): the model a verb names (base_model_for: --model, else the adapter's recorded one,
-    else the default) loaded on `device` in `dtype`, with `adapter` applied when one is given."""
+    else the default) loaded on `device` in `dtype`, with `adapter` applied when one is given. An adapter trained
+    on a quantized base (QLoRA) gets the base quantized the same way: that is the model it was trained with."""
     from tunesmith.models import load_model
 
     spec = base_model_for(model, adapter)
-    loaded, tokenizer = load_model(spec, device, dtype, trust_remote_code)
+    loaded, tokenizer = load_model(spec, device, dtype, trust_remote_code, quantize_base=recorded_quantization(adapter))
     if adapter:
         loaded = load_adapter(loaded, adapter, base=spec)
     return loaded, tokenizer, spec

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.lora import load_with_adapter
+from tunesmith.lora import load_with_adapter, merge_adapter
 from tunesmith.storage import atomic_folder
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -17,14 +17,15 @@ SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 def merge_model(peft_model, tokenizer, output: str | Path, dtype: str = "float32", provenance: dict | None = None) -> Path:
     """Fold the adapter into the base weights and save the result atomically, with the modes the umask gives.
 
-    safe_merge checks every merged weight for NaN / inf (a diverged adapter) before it replaces the base's."""
+    safe_merge checks every merged weight for NaN / inf (a diverged adapter) before it replaces the base's. An
+    adapter trained on a quantized base (QLoRA) merges onto that base dequantized: the weights it trained against."""
     if dtype not in SAVE_DTYPES:
         raise TunesmithError(f"--dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
     out = Path(output)
     if out.exists() and any(out.iterdir()) and not (out / "tunesmith-merge.json").is_file():
         raise TunesmithError(f"{out} exists and is not a tunesmith merge folder; choose an empty --output")
     try:
-        merged = peft_model.merge_and_unload(safe_merge=True).to(SAVE_DTYPES[dtype])
+        merged = merge_adapter(peft_model, safe_merge=True).to(SAVE_DTYPES[dtype])
     except ValueError as e:
         if "NaN" not in str(e):
             raise

@@ -268,17 +268,39 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    quantize_base: str = "none",
 ):
     """Load (model, tokenizer). The weights go straight to `device` in `dtype`; attention uses fused SDPA.
 
     Weights are read from safetensors only, unless `allow_pickle` lets a folder without them load its .bin files
-    (transformers reads those with torch.load(weights_only=True))."""
+    (transformers reads those with torch.load(weights_only=True)). `quantize_base` nf4|int4|int8 holds the
+    linear layers quantized (QLoRA's frozen base), quantized tensor by tensor as they are read where it can."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     source = resolve_model(spec)
     if isinstance(source, Path) and (source / QUANT_FILE).is_file():  # `tunesmith quantize` wrote it
+        if quantize_base != "none":
+            raise TunesmithError(f"{source} is already quantized (tunesmith quantize); --quantize-base needs the "
+                                 "full-precision model it came from")
         return load_quantized_model(source, device), load_tokenizer(spec, trust_remote_code)
+    if quantize_base != "none":
+        from tunesmith.qlora import check_scheme, load_quantized_base
+        from tunesmith.qlora import quantize_base as quantize_in_place
+
+        check_scheme(quantize_base)
+        if isinstance(source, str):  # a hub id: its files first, then the same streaming load as a folder
+            from huggingface_hub import snapshot_download
+
+            source = Path(_hub_call(spec, snapshot_download, source,
+                                    allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]))
+        _check_weights(source, allow_pickle)
+        model = load_quantized_base(source, device, dtype, quantize_base, trust_remote_code)
+        if model is None:  # tensor names this architecture renames on load: the plain load, then quantize
+            _say_once(f"{spec}: loading at full precision, then quantizing to {quantize_base}", True)
+            model, _ = load_model(spec, device, dtype, trust_remote_code, allow_pickle)
+            quantize_in_place(model, quantize_base)
+        return model.eval(), load_tokenizer(spec, trust_remote_code)
     if isinstance(source, Path):
         _check_weights(source, allow_pickle)
     model = _hub_call(

@@ -201,7 +201,9 @@ def quantize(cfg, progress: bool = True) -> QuantizeResult:
     import_torchao()
     model, tokenizer, spec = load_with_adapter(cfg.model, cfg.adapter)  # CPU, fp32
     if cfg.adapter:
-        model = model.merge_and_unload()
+        from tunesmith.lora import merge_adapter
+
+        model = merge_adapter(model)
     source = resolve_model(spec)
     float_bytes = weights_bytes(source) if isinstance(source, Path) else 0
     data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction) if cfg.eval_blocks or cfg.calibration_blocks else None

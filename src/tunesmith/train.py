@@ -1,4 +1,5 @@
-"""LoRA fine-tuning on accelerate (single device, or DDP under `accelerate launch`).
+"""Fine-tuning on accelerate (single device, or DDP under `accelerate launch`): LoRA, DoRA, LoRA on a quantized
+base (QLoRA), or full fine-tuning.
 
 Shaped as litgpt shapes it: `train()` sets up (device, precision, accelerator, data, model, LoRA, optimizer,
 schedule, resume), runs `train_loop()` -- the loop, readable top to bottom -- and finishes (saves the adapter,
@@ -54,7 +55,7 @@ from tunesmith.fused import (
     liger_available,
     supports_chunked_loss,
 )
-from tunesmith.lora import attach_lora, save_adapter, trainable_parameters
+from tunesmith.lora import attach_lora, save_adapter, trainable_parameters, unfreeze
 from tunesmith.models import load_model, load_tokenizer
 
 CALIBRATION_STEPS = 3  # steps timed before a time budget resizes the run
@@ -83,7 +84,7 @@ Callback = Callable[[StepRecord], Any]
 @dataclass
 class TrainResult:
     run_dir: Path
-    adapter_dir: Path
+    adapter_dir: Path  # the adapter folder; with --fine-tune-type full, the whole model's folder (<run>/model)
     losses: list[float] = field(default_factory=list)  # training loss of every optimizer step
     evals: list[tuple[int, EvalResult]] = field(default_factory=list)
     steps: int = 0
@@ -206,7 +207,8 @@ def train(
     callback: Callback | None = None,
     progress: bool = True,
 ) -> TrainResult:
-    """Train a LoRA adapter as `cfg` says; the adapter lands in <cfg.output>/adapter.
+    """Train as `cfg` says; the adapter lands in <cfg.output>/adapter (full fine-tuning: the model in
+    <cfg.output>/model).
 
     `model`, `tokenizer` and `data` replace loading them (tests pass small ones). `loss(model, batch)` returns the
     summed loss over the batch's supervised tokens and their count (default: evaluate.loss_sum). `callback` gets a
@@ -214,7 +216,8 @@ def train(
     ends the run there."""
     run = _setup(cfg, model, tokenizer, data, progress)
     with run.log:
-        result = TrainResult(run.run_dir, run.run_dir / "adapter", trainable_params=trainable_parameters(run.model),
+        result = TrainResult(run.run_dir, run.run_dir / ("model" if cfg.fine_tune_type == "full" else "adapter"),
+                             trainable_params=trainable_parameters(run.model),
                              losses=[r["loss"] for r in run.log.rows if r.get("kind") == "train"])
         if loss is None:  # the fused loss where the model allows it; the plain one is the reference
             loss = chunked_loss_sum if cfg.fused_loss and supports_chunked_loss(run.model) else loss_sum
@@ -233,8 +236,9 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     schedule: Schedule  # the LR multiplier; its horizon is what a time budget cuts
-    params: list[torch.nn.Parameter]  # the trainable (LoRA) parameters
+    params: list[torch.nn.Parameter]  # the trainable parameters (LoRA's, or the model's own with full)
     data: TokenData
+    tokenizer: Any  # saved beside a fully fine-tuned model
     pad_id: int
     planned_total: int  # the horizon the flags asked for
     per_epoch: int  # optimizer steps per pass over the data
@@ -272,14 +276,28 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
         if progress and main:
             print(describe_data(data))  # records truncated or dropped, and why
+    # Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast): updates smaller than a bf16
+    # weight's rounding step would otherwise be lost. A frozen base may sit in the compute dtype, or quantized.
+    dtype = torch.float32 if cfg.fine_tune_type == "full" else weight_dtype(device, precision)
     if model is None:
-        model, tokenizer = load_model(cfg.model, accelerator.device, weight_dtype(device, precision), cfg.trust_remote_code,
-                                      allow_pickle=cfg.allow_pickle)
+        model, tokenizer = load_model(cfg.model, accelerator.device, dtype, cfg.trust_remote_code,
+                                      allow_pickle=cfg.allow_pickle, quantize_base=cfg.quantize_base)
+    elif cfg.quantize_base != "none":
+        from tunesmith.qlora import quantize_base
+
+        quantize_base(model, cfg.quantize_base)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     kernels = _kernels(cfg, device, model, say)
+    kernels += [f"{cfg.quantize_base} base"] if cfg.quantize_base != "none" else []
     set_seed(cfg.seed)  # LoRA init draws from the RNG: same seed, same adapter
-    model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    if cfg.fine_tune_type == "full":
+        unfreeze(model, cfg.num_layers)
+        kernels.append("full fine-tuning" + (f" of the last {cfg.num_layers} layers" if cfg.num_layers > 0 else ""))
+    else:
+        model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
+                            dora=cfg.fine_tune_type == "dora", num_layers=cfg.num_layers)
+        kernels += ["DoRA"] if cfg.fine_tune_type == "dora" else []
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -289,9 +307,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     params = [p for p in model.parameters() if p.requires_grad]
     trainable, every = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     world = accelerator.num_processes
-    fused = cfg.fused_adamw and device.type == "cuda"  # one kernel for every LoRA tensor's update
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
-    kernels += ["fused AdamW"] if fused else []
+    optimizer, what = make_optimizer(cfg, params, device)
+    kernels += [what] if what else []
     per_epoch, total = plan_steps(cfg, len(data.train), world, batch_size)
     schedule = Schedule(total, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -324,8 +341,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     per_step = batch_size * cfg.grad_accum * world  # examples per optimizer step; out-of-memory recovery keeps it
     if state.batch_size:  # out-of-memory recovery had halved the micro-batch
         batch_size = min(batch_size, state.batch_size)
-    return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, pad_id, total,
-               per_epoch, per_step, batch_size, saver, state, ckpt, log, say)
+    return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
+               total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say)
 
 
 def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = loss_sum,
@@ -365,7 +382,7 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             # The norm is measured even without clipping (max_norm inf scales by exactly 1): the guard needs it.
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
             grad_norm = float(acc.clip_grad_norm_(run.params, max_norm))
-            lr = scheduler.get_last_lr()[0]
+            lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao's optimizers
             # Non-finite guard: one NaN/inf update would poison the weights and AdamW's moments for good, so the
             # step is skipped (weights, optimizer and schedule untouched) and the data moves on. Under fp16 an inf
             # gradient with a finite loss is the grad scaler's to handle: it skips the update and lowers the scale.
@@ -429,13 +446,43 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
     acc = run.accelerator
     result.peak_memory_bytes = peak_memory_bytes(acc.device)
     acc.wait_for_everyone()
-    if acc.is_main_process:
-        save_adapter(acc.unwrap_model(run.model), result.adapter_dir, cfg.model)  # records the model it needs
+    if acc.is_main_process and cfg.fine_tune_type == "full":
+        save_model(acc.unwrap_model(run.model), run.tokenizer, result.adapter_dir, cfg.model)
+    elif acc.is_main_process:  # records the model it needs, and how its base was held
+        save_adapter(acc.unwrap_model(run.model), result.adapter_dir, cfg.model, cfg.quantize_base)
     result.model = acc.unwrap_model(run.model)
     return result
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+def make_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW (torch's fused kernel on CUDA), or torchao's AdamW8bit; and what the start line says of it."""
+    if cfg.optimizer == "adamw8bit":
+        try:
+            from torchao.optim import AdamW8bit
+        except ImportError:
+            from tunesmith.errors import missing_extra
+
+            raise missing_extra("torchao", "qlora", "--optimizer adamw8bit") from None
+        return AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay), "8-bit AdamW"
+    fused = cfg.fused_adamw and device.type == "cuda"  # one kernel for every trainable tensor's update
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+    return optimizer, "fused AdamW" if fused else ""
+
+
+def save_model(model, tokenizer, folder: Path, base_spec: str) -> Path:
+    """A fully fine-tuned model: a plain HF folder (safetensors, config, tokenizer) that every verb loads."""
+    from tunesmith.storage import atomic_folder
+
+    with atomic_folder(folder) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "tunesmith-train.json").write_text(json.dumps({"base_model": base_spec, "fine_tune_type": "full"},
+                                                             indent=2) + "\n", encoding="utf-8")
+    return folder
 
 
 def _kernels(cfg: TrainConfig, device: torch.device, model, say) -> list[str]:

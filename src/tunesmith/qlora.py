@@ -1,0 +1,239 @@
+"""The frozen base held in 4 or 8 bits (QLoRA): `train --quantize-base nf4|int4|int8`.
+
+Every linear layer of the decoder (not the embedding, the norms or the output head) becomes a QuantLinear: its
+weight is kept quantized and dequantized to the compute dtype for each product, one layer at a time, in the
+forward pass and again in the backward pass (the weight's gradient is never needed, only the input's). Plain
+PyTorch, so it trains on the CPU, MPS and CUDA alike.
+
+- nf4: torchao's NF4 tensor (`to_nf4`, blocks of 64 with double-quantized scales: the QLoRA recipe torchtune uses)
+  and its autograd-aware `linear_nf4`.
+- int4: symmetric, one fp16 scale per group of 64 inputs, codes packed two per byte.
+- int8: symmetric, one fp16 scale per output row.
+
+int4 and int8 quantize with torchao's affine primitives; their dequantization (codes x scales) is the few lines
+below, written for this layout because torchao's packed int4 kernels run on CUDA alone and have no backward.
+
+`load_quantized_base` reads a safetensors folder tensor by tensor and quantizes each decoder linear as it arrives,
+so the peak while loading is the quantized model plus one weight, not the full-precision model.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tunesmith.errors import TunesmithError, missing_extra
+
+SCHEMES = ("nf4", "int4", "int8")
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's (and the QLoRA paper's) defaults
+INT4_GROUP = 64
+SCALE_DTYPE = torch.float16
+
+
+def _torchao_nf4():
+    try:
+        from torchao.quantization import to_nf4
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+    except ImportError:
+        raise missing_extra("torchao", "qlora", "--quantize-base") from None
+    return to_nf4, linear_nf4
+
+
+class _DequantLinear(torch.autograd.Function):
+    """y = x W^T with W dequantized for the product, and again for the input's gradient: nothing of W is kept."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+        ctx.layer = layer
+        return F.linear(x, layer.dequantize(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad @ ctx.layer.dequantize(grad.dtype), None
+
+
+class QuantLinear(torch.nn.Linear):
+    """A frozen linear whose weight is held in 4 or 8 bits.
+
+    It is an nn.Linear to every library that asks (PEFT wraps it as it wraps any linear), but `weight` is computed:
+    reading it dequantizes (PEFT's DoRA reads it for the weight norm). The quantized tensors are its buffers
+    (nf4: a parameter holding torchao's NF4 tensor, which moves between devices as one), so `.to(device)` moves
+    them; a dtype cast of the model would dequantize an NF4 tensor, so nothing here casts one.
+    """
+
+    def __init__(self, in_features: int, out_features: int, scheme: str, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features, self.scheme, self.compute_dtype = in_features, out_features, scheme, dtype
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, scheme: str, bias: torch.Tensor | None = None) -> QuantLinear:
+        """Quantize a full-precision weight [out, in]; the result dequantizes to `weight`'s dtype."""
+        from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
+
+        out_f, in_f = weight.shape
+        layer = cls(in_f, out_f, scheme, weight.dtype, bias)
+        w = weight.detach()
+        if scheme == "nf4":
+            to_nf4, _ = _torchao_nf4()
+            blocks = w.numel() // NF4_BLOCK
+            layer.qweight = torch.nn.Parameter(to_nf4(w, NF4_BLOCK, math.gcd(NF4_SCALER_BLOCK, blocks)),
+                                               requires_grad=False)
+            return layer
+        group, lo, hi = (INT4_GROUP, -8, 7) if scheme == "int4" else (in_f, -127, 127)
+        block = (1, group)
+        scale, zero = choose_qparams_affine(w.float(), MappingType.SYMMETRIC, block, torch.int8, lo, hi,
+                                            scale_dtype=torch.float32)
+        scale = scale.to(SCALE_DTYPE).float()  # codes are rounded against the scale as it is stored
+        codes = quantize_affine(w.float(), block, scale, zero, torch.int8, lo, hi)
+        if scheme == "int4":
+            from tunesmith.quantformat import pack_int4
+
+            codes = pack_int4(codes)
+        layer.register_buffer("codes", codes.contiguous())
+        layer.register_buffer("scales", scale.reshape(out_f, -1).to(SCALE_DTYPE).contiguous())
+        return layer
+
+    @staticmethod
+    def supports(linear: torch.nn.Linear, scheme: str) -> bool:
+        """Whether this layer's shape has whole blocks / groups for the scheme (a model's linears all do)."""
+        if scheme == "nf4":
+            return linear.weight.numel() % NF4_BLOCK == 0
+        if scheme == "int4":
+            return linear.in_features % INT4_GROUP == 0
+        return True
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.compute_dtype
+        if self.scheme == "nf4":
+            return self.qweight.get_original_weight().to(dtype)
+        codes = self.codes
+        if self.scheme == "int4":
+            from tunesmith.quantformat import unpack_int4
+
+            codes = unpack_int4(codes)
+        groups = self.scales.shape[1]
+        w = codes.view(self.out_features, groups, -1).to(dtype) * self.scales.to(dtype).unsqueeze(-1)
+        return w.view(self.out_features, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        return self.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme == "nf4":
+            _, linear_nf4 = _torchao_nf4()
+            y = linear_nf4(x, self.qweight)
+        else:
+            y = _DequantLinear.apply(x, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}"
+
+    def quantized_bytes(self) -> int:
+        tensors = [self.qweight.quantized_data, self.qweight.quantized_scalers, self.qweight.quantization_factor,
+                   self.qweight.scaler_mean, self.qweight.nf4] if self.scheme == "nf4" else [self.codes, self.scales]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise TunesmithError(f"--quantize-base must be one of none, {', '.join(SCHEMES)}, got {scheme!r}")
+    _torchao_nf4()  # every scheme quantizes through torchao: a missing extra fails before any loading
+
+
+def quant_targets(model: torch.nn.Module, scheme: str) -> list[str]:
+    """Names of the linears a quantized base holds quantized: every linear but the output head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear) and m is not head
+            and QuantLinear.supports(m, scheme)]
+
+
+def quantize_base(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """Replace the model's linears (not its output head) by QuantLinears in place, one at a time; returns it."""
+    check_scheme(scheme)
+    for name in quant_targets(model, scheme):
+        linear = model.get_submodule(name)
+        _set(model, name, QuantLinear.from_weight(linear.weight, scheme, linear.bias))
+        del linear
+    return model
+
+
+def dequantize_base(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Replace every QuantLinear by a plain nn.Linear holding its dequantized weight (what it computed with)."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, QuantLinear):
+            plain = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            plain.weight = torch.nn.Parameter(m.dequantize(dtype), requires_grad=False)
+            if m.bias is not None:
+                plain.bias = torch.nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+            _set(model, name, plain)
+    return model
+
+
+def quantized_scheme(model: torch.nn.Module) -> str | None:
+    return next((m.scheme for m in model.modules() if isinstance(m, QuantLinear)), None)
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_quantized_base(folder: Path, device: torch.device, dtype: torch.dtype, scheme: str,
+                        trust_remote_code: bool = False) -> torch.nn.Module | None:
+    """A safetensors model folder loaded straight into its quantized form, tensor by tensor.
+
+    The model is built without weights (accelerate's init_empty_weights: parameters on the meta device, buffers
+    real); each decoder linear's weight is quantized on `device` as soon as it is read. Returns None when the
+    folder's tensor names do not map onto the model's (an architecture whose checkpoint transformers renames on
+    load): the caller then loads the plain model and quantizes it in place."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_scheme(scheme)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                                 trust_remote_code=trust_remote_code)
+    targets = set(quant_targets(model, scheme))
+    params = dict(model.named_parameters())
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # a target's weight waits for its bias, and the reverse
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), not iteration)
+                name = key if key in params else f"model.{key}" if f"model.{key}" in params else None
+                if name is None:
+                    return None
+                owner, _, attr = name.rpartition(".")
+                tensor = f.get_tensor(key).to(device=device, dtype=dtype)
+                if owner in targets:
+                    parts = pending.setdefault(owner, {})
+                    parts[attr] = tensor
+                    linear = model.get_submodule(owner)
+                    if "weight" in parts and (linear.bias is None or "bias" in parts):
+                        _set(model, owner, QuantLinear.from_weight(parts["weight"], scheme, parts.get("bias")))
+                        del pending[owner]
+                else:
+                    module = model.get_submodule(owner)
+                    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+    if pending:
+        return None
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    if any(p.is_meta for p in model.parameters()):
+        return None
+    return model.to(device).eval()
