@@ -46,23 +46,30 @@ def test_unknown_target_lists_the_linears(shape):
 
 
 def _saved_bytes(model, batch, precision: str, loss_sum=None) -> int:
-    """Bytes autograd keeps for backward after one forward (unique storages, parameters excluded)."""
+    """Bytes autograd keeps for backward after one forward (unique storages, parameters excluded).
+
+    Only what is still alive when the forward ends counts: PEFT's DoRA builds a small graph of its own each forward
+    (B A from an identity) and drops it before backward."""
+    import gc
+    import weakref
+
     if loss_sum is None:
         from tunesmith.evaluate import loss_sum
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
+    saved = []
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in params:
-            kept[st.data_ptr()] = st.nbytes()
+            saved.append((weakref.ref(t), st.data_ptr(), st.nbytes()))
         return t
 
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        loss_sum(model, batch)
-    return sum(kept.values())
+        loss = loss_sum(model, batch)  # noqa: F841 (holds the graph until the count is taken)
+    gc.collect()
+    return sum({ptr: n for ref, ptr, n in saved if ref() is not None}.values())
 
 
 @pytest.mark.parametrize(("precision", "dropout", "targets", "ckpt"), [
@@ -93,6 +100,285 @@ def test_activations_equal_what_autograd_keeps(tokenizer, precision, dropout, ta
     predicted = parts["activations"] + 4 * shape.vocab * b * (s - 1)  # autograd keeps the fp32 log-softmax output
     adapter_copies = 0 if precision == "fp32" else parts["adapter"] // 3  # autocast's bf16 copies of LoRA weights
     assert kept == pytest.approx(predicted + adapter_copies, rel=0.02)
+
+
+EVERY_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # all-linear, as a list:
+# PEFT refuses layers_to_transform with target_modules="all-linear"
+
+
+@pytest.mark.parametrize(("kind", "precision", "dropout", "targets", "num_layers", "ckpt"), [
+    ("dora", "fp32", 0.0, ["q_proj", "v_proj"], 0, False),
+    ("dora", "fp32", 0.1, ["all-linear"], 0, False),
+    ("dora", "fp32", 0.0, ["all-linear"], 0, False),
+    ("dora", "bf16", 0.1, ["q_proj", "v_proj"], 0, False),
+    ("dora", "bf16", 0.0, ["all-linear"], 0, False),
+    ("dora", "bf16", 0.1, ["all-linear"], 0, False),  # keeps a half copy of each adapted weight: see dora_fixed_bytes
+    ("dora", "fp32", 0.1, EVERY_LINEAR, 2, False),
+    ("dora", "bf16", 0.0, ["q_proj", "v_proj"], 1, False),
+    ("dora", "fp32", 0.1, ["q_proj", "v_proj"], 0, True),
+    ("lora", "fp32", 0.1, EVERY_LINEAR, 2, False),
+    ("lora", "bf16", 0.0, ["q_proj", "v_proj"], 1, False),
+])
+def test_dora_and_last_layers_activations_equal_what_autograd_keeps(tokenizer, kind, precision, dropout, targets,
+                                                                   num_layers, ckpt):
+    """DoRA (PEFT's use_dora) and adapters on the last layers only, against the tensors saved for backward: within
+    1%. What the plan leaves out: the rotary cos/sin tables and the loss's int64 targets (17 KB of 0.7-8.6 MB here)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = make_model(tokenizer, layers=3, hidden=128).to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    shape = M.ModelShape.from_config(model.config)
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, use_dora=kind == "dora", task_type="CAUSAL_LM",
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,
+                        layers_to_transform=list(range(3 - num_layers, 3)) if num_layers else None)
+    model = get_peft_model(model, config)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    b, s = 2, 64
+    ids = torch.randint(0, shape.vocab, (b, s), generator=torch.Generator().manual_seed(0))
+    kept = _saved_bytes(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, precision)
+    setup = M.TrainSetup(seq_len=s, batch_size=b, lora_targets=tuple(targets), lora_dropout=dropout,
+                         precision=precision, gradient_checkpointing=ckpt, device_type="cpu", fine_tune_type=kind,
+                         num_layers=num_layers)
+    assert sum(M.trainable_tensors(shape, setup)) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parts = M.train_parts(shape, setup)
+    if ckpt:  # after the forward: each layer's input and what follows the layers (the recomputed layer comes later)
+        parts["activations"] = (shape.layers * shape.hidden * 4 + M.tail_activation_bytes(shape, setup)) * b * s
+    predicted = parts["activations"] + 4 * shape.vocab * b * (s - 1)  # autograd keeps the fp32 log-softmax output
+    if precision == "bf16":  # autocast's bf16 copies of lora_A and lora_B (the magnitude is not cast)
+        predicted += 2 * sum(8 * (i + o) for i, o in M.adapted_linears(shape, setup).values())
+    assert kept == pytest.approx(predicted, rel=0.01)
+
+
+@pytest.mark.parametrize(("precision", "num_layers", "ckpt"), [
+    ("fp32", 0, False), ("bf16", 0, False), ("fp32", 1, False), ("bf16", 1, False), ("bf16", 2, False),
+    ("fp32", 0, True),
+])
+def test_full_fine_tuning_activations_equal_what_autograd_keeps(tokenizer, precision, num_layers, ckpt):
+    """Full fine-tuning as train runs it (the whole model in fp32, autocast for bf16; with num_layers only the last
+    layers' parameters train): the plan equals the saved tensors to the byte, once the rotary tables and the loss's
+    targets, which it leaves out, are added."""
+    model = make_model(tokenizer, layers=3, hidden=128)
+    shape = M.ModelShape.from_config(model.config)
+    model.requires_grad_(num_layers == 0)
+    for layer in model.model.layers[3 - num_layers:] if num_layers else []:
+        layer.requires_grad_(True)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    b, s = 2, 64
+    ids = torch.randint(0, shape.vocab, (b, s), generator=torch.Generator().manual_seed(0))
+    kept = _saved_bytes(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, precision)
+    setup = M.TrainSetup(seq_len=s, batch_size=b, precision=precision, gradient_checkpointing=ckpt, device_type="cpu",
+                         fine_tune_type="full", num_layers=num_layers)
+    assert sum(M.trainable_tensors(shape, setup)) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parts = M.train_parts(shape, setup)
+    rotary = 0 if ckpt else 2 * s * shape.head_dim * 4  # checkpointed layers keep their tables only when recomputed
+    if ckpt:
+        parts["activations"] = (shape.layers * shape.hidden * 4 + M.tail_activation_bytes(shape, setup)) * b * s
+    # The half copies of the trained weights autograd saves (autocast's cache holds them: weight_copies).
+    predicted = parts["activations"] + parts.get("weight_copies", 0) + 4 * shape.vocab * b * (s - 1)
+    assert kept == pytest.approx(predicted + rotary + 8 * b * (s - 1) + 4, rel=1e-4)
+
+
+def test_full_fine_tuning_parts(shape):
+    """fp32 master weights (the frozen layers too: train loads the whole model in fp32), fp32 gradients, AdamW's
+    8 bytes, autocast's half copy of every trained linear; with num_layers only the last layers' parameters."""
+    s = M.TrainSetup(seq_len=32, batch_size=2, precision="bf16", fine_tune_type="full")
+    parts = M.train_parts(shape, s)
+    assert "adapter" not in parts
+    assert parts["weights"] == 4 * shape.params + shape.buffer_bytes
+    assert (parts["gradients"], parts["optimizer"]) == (4 * shape.params, 8 * shape.params)
+    assert parts["weight_copies"] == 2 * sum(i * o for i, o in shape.linears.values())
+    last = M.train_parts(shape, replace(s, num_layers=1))
+    layer1 = sum(n for name, n in shape.parameters.items() if ".layers.1." in name)
+    assert last["weights"] == parts["weights"] and last["gradients"] == 4 * layer1
+    assert last["weight_copies"] == 2 * sum(i * o for n, (i, o) in shape.linears.items() if ".layers.1." in n
+                                            or n == shape.head_name)  # a frozen head's copy is saved for backward
+    assert "weight_copies" not in M.train_parts(shape, replace(s, precision="fp32"))
+    assert M.trained_layers(shape, 1) == range(1, 2)
+    assert M.trained_layers(shape, 0) == M.trained_layers(shape, -1) == M.trained_layers(shape, 5) == range(0, 2)
+
+
+def test_full_with_a_quantized_base_is_an_error(shape):
+    with pytest.raises(TunesmithError, match="--quantize-base is for lora and dora; full fine-tuning trains"):
+        M.train_parts(shape, M.TrainSetup(fine_tune_type="full", quantize_base="nf4"))
+
+
+@pytest.mark.filterwarnings("ignore:OptimState8bit does not implement")  # torch.compile's note on torchao's state
+def test_adamw8bit_state_equals_torchao():
+    """torchao's AdamW8bit: int8 m and v with an fp32 scale per 256 (and a 256-entry code map) for tensors of at
+    least 4096 values in whole blocks; fp32 m and v for the rest."""
+    pytest.importorskip("torchao")
+    from torchao.optim import AdamW8bit
+
+    params = [torch.nn.Parameter(torch.randn(*size)) for size in ((64, 128), (64,), (100, 50))]
+    opt = AdamW8bit(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+    def nbytes(t):
+        return sum(x.nbytes for x in (t.codes, t.scale, t.qmap)) if hasattr(t, "codes") else t.nbytes
+
+    for p in params:
+        state = opt.state[p]
+        assert M.optimizer_state_bytes([p.numel()], "adamw8bit") == nbytes(state["exp_avg"]) + nbytes(state["exp_avg_sq"])
+    assert M.optimizer_state_bytes([2**20], "adamw8bit") == pytest.approx(2**20 * (2 + 8 / 256), abs=2048)
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantized_weight_bytes_equal_tunesmith_qlora(scheme, dtype):
+    """A quantized linear's bytes as the plan counts them equal what tunesmith.qlora holds (nf4: torchao's tensor)."""
+    pytest.importorskip("torchao")
+    from tunesmith.qlora import QuantLinear
+
+    for out_f, in_f in ((256, 128), (64, 384)):
+        layer = QuantLinear.from_weight(torch.randn(out_f, in_f, dtype=dtype), scheme)
+        w = 2 if dtype == torch.bfloat16 else 4
+        assert M.quantized_bytes(out_f * in_f, out_f, scheme, w) == layer.quantized_bytes()
+    n = 4096 * 4096
+    assert M.quantized_bytes(n, 4096, "nf4") / n == pytest.approx(0.5 + 1 / 64, abs=1e-3)
+    assert M.quantized_bytes(n, 4096, "int4") / n == 0.5 + 2 / 64
+
+
+def test_qlora_weights_dequant_and_dora_norm_parts(shape):
+    s = M.TrainSetup(seq_len=32, batch_size=2, precision="bf16", quantize_base="int8")
+    parts, plain = M.train_parts(shape, s), M.train_parts(shape, replace(s, quantize_base="none"))
+    decoder = {n: io for n, io in shape.linears.items() if n != shape.head_name}  # the head stays in bf16
+    assert plain["weights"] - parts["weights"] == sum(i * o * 2 - (i * o + 2 * o) for i, o in decoder.values())
+    assert parts["dequant"] == M.DEQUANT_COPIES * 2 * max(i * o for i, o in decoder.values())
+    del parts["weights"], parts["dequant"], plain["weights"]
+    assert parts == plain  # the adapter, its gradient and state, and the activations do not change
+    plain = M.train_parts(shape, replace(s, quantize_base="none"))
+    dora = M.train_parts(shape, replace(s, quantize_base="none", fine_tune_type="dora"))
+    assert dora["adapter"] == plain["adapter"] + 4 * 2 * (64 + 32)  # the fp32 magnitudes of q_proj and v_proj
+    i, o = 64, 64  # q_proj is the largest target: B A through a 64 x 64 identity, W, B A, scale B A, their sum
+    assert dora["dora_norm"] == max(6 * i * i + 2 * i * o, 2 * i * i + 16 * i * o)
+
+
+def test_dora_norm_transient_matches_the_live_peak():
+    """PEFT's DoRA forward on one linear, its tensors' live bytes tracked op by op: the peak equals dora_norm_bytes
+    within 10% (the rest: the input, outputs and the rank-sized products)."""
+    import weakref
+
+    from peft import LoraConfig, get_peft_model
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self, skip):
+            super().__init__()
+            self.live, self.now, self.peak, self.skip = {}, 0, 0, skip
+
+        def _gone(self, ptr):
+            self.now -= self.live.pop(ptr, 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                st = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+                if st is not None and st.data_ptr() not in self.live and st.data_ptr() not in self.skip:
+                    self.live[st.data_ptr()] = st.nbytes()
+                    self.now += st.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(st, self._gone, st.data_ptr())
+            return out
+
+    class One(torch.nn.Module):
+        def __init__(self, i, o, dtype):
+            super().__init__()
+            self.proj = torch.nn.Linear(i, o, bias=False, dtype=dtype)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    for i, o in ((512, 128), (128, 512)):
+        for precision in ("fp32", "bf16"):
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+            model = get_peft_model(One(i, o, dtype), LoraConfig(r=8, target_modules=["proj"], use_dora=True)).train()
+            x = torch.randn(1, 4, i, dtype=dtype, requires_grad=True)
+            mode = LiveBytes({p.untyped_storage().data_ptr() for p in model.parameters()})
+            with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                model(x)
+            shape = M.ModelShape(hidden=i, intermediate=i, layers=1, heads=1, kv_heads=1, head_dim=i, vocab=8,
+                                 params=i * o, buffer_bytes=0, linears={"proj": (i, o)})
+            s = M.TrainSetup(lora_targets=("proj",), precision=precision, fine_tune_type="dora")
+            assert mode.peak == pytest.approx(M.dora_norm_bytes(shape, s), rel=0.1), (i, o, precision)
+
+
+def test_8b_qlora_fits_16_gib_where_bf16_lora_does_not():
+    """The issue's premise: at seq 2048, micro-batch 1, bf16, gradient checkpointing, LoRA r8 on q,v, the 8B's
+    bf16 weights alone (15 GiB) leave no room in 16 GiB; an nf4 base does."""
+    shape = M.ModelShape.from_config(M.read_model_config("meta-llama/Llama-3.1-8B"))
+    s = M.TrainSetup(seq_len=2048, batch_size=1, precision="bf16", gradient_checkpointing=True)
+    lora, qlora = M.train_parts(shape, s), M.train_parts(shape, replace(s, quantize_base="nf4"))
+    assert sum(lora.values()) > 16 * GIB > sum(qlora.values())
+    assert sum(qlora.values()) / GIB == pytest.approx(9.05, abs=0.01)
+    assert lora["weights"] / GIB == pytest.approx(14.958, abs=0.001) and qlora["weights"] / GIB == pytest.approx(5.31, abs=0.01)
+    budget = int(16 * GIB * M.HEADROOM)
+    rows = {(r.mode, r.gradient_checkpointing): r.best_batch for r in M.mode_table(shape, s, budget)}
+    assert rows[("lora", True)] == 0 and rows[("qlora nf4", True)] >= 1
+    assert rows[("full (adamw)", True)] == rows[("full (adamw8bit)", True)] == 0
+
+
+def _table_rows(out: str) -> dict[str, list[str]]:
+    """The rows of a rich table in captured output: first cell -> the other cells."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│|").split("│" if "│" in line else "|")]
+        if len(cells) > 1 and cells[0]:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_fit_verb_lists_the_modes_that_fit(capsys):
+    """`tunesmith fit --model meta-llama/Llama-3.1-8B --memory 16GiB`: after the requested setup, every way to train
+    with its largest micro-batch and peak (this machine is a CPU: bf16 plans there, with the process's own parts)."""
+    from tunesmith.cli import main
+
+    args = ["fit", "--model", "meta-llama/Llama-3.1-8B", "--memory", "16GiB", "--precision", "bf16", "--seq-len",
+            "2048", "--device", "cpu"]
+    assert main(args) == 0
+    rows = _table_rows(capsys.readouterr().out)
+    shape = M.ModelShape.from_config(M.read_model_config("meta-llama/Llama-3.1-8B"))
+    s = M.TrainSetup(seq_len=2048, batch_size=4, precision="bf16", device_type="cpu", fused_loss=True)
+    expected = M.mode_table(shape, s, int(16 * GIB * M.HEADROOM))
+    assert list(M.MODES) == ["lora", "dora", "qlora nf4", "qlora int4", "qlora int8", "full (adamw)", "full (adamw8bit)"]
+    for mode in M.MODES:
+        cells = [[str(r.best_batch) if r.best_batch else "does not fit", f"{r.peak_bytes / GIB:.2f}"]
+                 for r in expected if r.mode == mode]  # without, then with checkpointing
+        assert rows[mode] == cells[0] + cells[1]
+    # What the table says for a 16 GiB machine: only a quantized base with checkpointing fits.
+    assert rows["lora"][0] == rows["lora"][2] == "does not fit"
+    assert rows["qlora nf4"][2] == rows["qlora int4"][2] == "8" and rows["qlora int8"][2] == "4"
+    assert rows["full (adamw8bit)"][2] == "does not fit"
+
+
+@pytest.mark.parametrize(("text", "gib"), [("16GiB", 16.0), ("16GB", 16e9 / GIB), ("16", 16.0), ("16g", 16.0),
+                                           ("1.5 gib", 1.5), ("512MiB", 0.5)])
+def test_memory_flag_reads_sizes(text, gib):
+    from tunesmith.cli import build_parser
+
+    args = vars(build_parser().parse_args(["fit", "--memory", text]))
+    assert args["memory_gib"] == pytest.approx(gib)
+    assert vars(build_parser().parse_args(["fit", "--memory-gib", text]))["memory_gib"] == pytest.approx(gib)
+
+
+def test_memory_flag_rejects_bad_sizes(capsys, tmp_path):
+    from tunesmith.cli import main
+    from tunesmith.config import build_config
+
+    assert main(["fit", "--memory", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "--memory" in err and "16GiB" in err and "'lots'" in err
+    assert main(["fit", "--memory=-4GiB"]) == 2
+    assert "--memory-gib must be >= 0, got -4" in capsys.readouterr().err
+    (tmp_path / "fit.yaml").write_text("memory: 24GB\n")
+    assert build_config(FitConfig, tmp_path / "fit.yaml").memory_gib == pytest.approx(24e9 / GIB)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -335,12 +335,16 @@ def _restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, pl
     # The flags given now set the learning rate and weight decay from here on (the same numbers when unchanged),
     # so `--lr` lower on resume takes effect.
     for group in optimizer.param_groups:
-        group["initial_lr"], group["weight_decay"] = lr, weight_decay
-        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers hold it as a tensor, updated in place
-            group["lr"].fill_(lr * schedule(inner.last_epoch))
+        # torchao's optimizers hold the rate as a float32 tensor, and the scheduler then multiplies in float32:
+        # the base rate takes the same form, so a resumed run's rates round as the uninterrupted run's did
+        tensor = isinstance(group["lr"], torch.Tensor)
+        base = torch.tensor(lr, dtype=group["lr"].dtype) if tensor else lr
+        group["initial_lr"], group["weight_decay"] = base, weight_decay
+        if tensor:
+            group["lr"].fill_(base * schedule(inner.last_epoch))
         else:
             group["lr"] = lr * schedule(inner.last_epoch)
-    inner.base_lrs = [lr for _ in optimizer.param_groups]
+    inner.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
     inner._last_lr = [g["lr"] for g in optimizer.param_groups]
     names = {f.name for f in dataclasses.fields(TrainState)}
     return TrainState(**{k: v for k, v in s.items() if k in names})

@@ -75,7 +75,8 @@ def _train(cfg):
     r = train(cfg)
     write_report(r.run_dir)  # report.html and a plain-text summary of the run
     last = f", validation perplexity {r.evals[-1][1].perplexity:.2f}" if r.evals else ""
-    print(f"trained {r.steps} steps in {r.seconds:.1f}s{last}; adapter saved to {r.adapter_dir}")
+    what = "model" if cfg.fine_tune_type == "full" else "adapter"
+    print(f"trained {r.steps} steps in {r.seconds:.1f}s{last}; {what} saved to {r.adapter_dir}")
 
 
 def _generate(cfg):

@@ -127,7 +127,7 @@ def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int, 
 def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None] = print) -> list[Rung]:
     """Score every rung the run folder has; `prompts` overrides cfg.prompts (the demo passes its own)."""
     from tunesmith.data import load_data
-    from tunesmith.lora import load_adapter, recorded_base
+    from tunesmith.lora import load_adapter, recorded_base, recorded_quantization
     from tunesmith.models import load_model, load_tokenizer, resolve_model
     from tunesmith.quantize import weights_bytes
 
@@ -137,7 +137,10 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     adapter, merged = run_dir / "adapter", run_dir / "merged"
     has_adapter = (adapter / "adapter_config.json").is_file()
     base = cfg.model or (recorded_base(adapter)[0] if has_adapter else None) or run_model(run_dir)
+    if not (merged / "config.json").is_file() and (run_dir / "model" / "config.json").is_file():
+        merged = run_dir / "model"  # a full fine-tune: the trained model itself
     has_merged = (merged / "config.json").is_file()
+    scheme = recorded_quantization(adapter) if has_adapter else "none"  # QLoRA: the base the adapter trained on
     ptes = sorted((run_dir / "exports").glob("*.pte")) + [Path(p) for p in cfg.pte]
     prompts = list(prompts) if prompts else read_prompts(cfg.prompts, DEMO_PROMPTS)
     tokenizer = load_tokenizer(str(merged) if has_merged else base)
@@ -160,10 +163,16 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     base_bytes = weights_bytes(source) if isinstance(source, Path) else None
     model, tok = load_model(base, "cpu", torch.float32)
     rungs.append(timed("base", score_eager, "base", model, tok, examples, prompts, cfg.max_tokens, base_bytes, str(source)))
+    if scheme != "none":  # the quantized base's own rung, then the adapter on it
+        del model
+        model, tok = load_model(base, "cpu", torch.float32, quantize_base=scheme)
+        rungs.append(timed(f"base {scheme}", score_eager, f"base ({scheme})", model, tok, examples, prompts,
+                           cfg.max_tokens, None, str(source)))
     if has_adapter:
         peft = load_adapter(model, adapter, base=base)
-        nbytes = base_bytes + weights_bytes(adapter) if base_bytes is not None else None
-        rungs.append(timed("LoRA", score_eager, "LoRA (base + adapter)", peft, tok, examples, prompts, cfg.max_tokens,
+        nbytes = base_bytes + weights_bytes(adapter) if base_bytes is not None and scheme == "none" else None
+        label = f"QLoRA ({scheme} base + adapter)" if scheme != "none" else "LoRA (base + adapter)"
+        rungs.append(timed("LoRA", score_eager, label, peft, tok, examples, prompts, cfg.max_tokens,
                            nbytes, str(adapter)))
         del peft
     del model

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -320,6 +321,20 @@ class ReportConfig(Config):
     output: str = opt("", "HTML file to write; empty means <run-dir>/report.html")
 
 
+_MEMORY_UNITS = {"": 1.0, "g": 1.0, "gib": 1.0, "gb": 1e9 / 2**30, "m": 2**-10, "mib": 2**-10, "mb": 1e6 / 2**30,
+                 "t": 1024.0, "tib": 1024.0, "tb": 1e12 / 2**30}
+
+
+def memory_value(value: str | float) -> float:
+    """A memory size in GiB: 16, 16g or 16GiB (2^30 bytes each), 16GB (10^9 bytes each); MiB/MB, TiB/TB too."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    hit = re.fullmatch(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-z]*)\s*", value.lower()) if isinstance(value, str) else None
+    if hit is None or hit.group(2) not in _MEMORY_UNITS:
+        raise ValueError(f"must be a memory size such as 16GiB, 16GB (10^9 bytes) or 16 (GiB), got {value!r}")
+    return float(hit.group(1)) * _MEMORY_UNITS[hit.group(2)]
+
+
 @dataclass
 class FitConfig(ModelConfig):
     """`tunesmith fit`: the training flags that move memory, read as `train` reads them."""
@@ -330,9 +345,13 @@ class FitConfig(ModelConfig):
     lora_targets: list[str] = same_as(TrainConfig, "lora_targets")
     lora_dropout: float = same_as(TrainConfig, "lora_dropout")
     gradient_checkpointing: bool = same_as(TrainConfig, "gradient_checkpointing")
-    optimizer: str = opt("adamw", "optimizer whose state to count (train uses AdamW)", choices=["adamw", "sgd"])
-    memory_gib: float = opt(0.0, "plan for a machine with this much memory instead of this one (0: this device)",
-                            bounds=COUNT)
+    fine_tune_type: str = same_as(TrainConfig, "fine_tune_type")
+    quantize_base: str = same_as(TrainConfig, "quantize_base")
+    num_layers: int = same_as(TrainConfig, "num_layers")
+    optimizer: str = same_as(TrainConfig, "optimizer")
+    fused_loss: bool = same_as(TrainConfig, "fused_loss")
+    memory_gib: float = opt(0.0, "plan for a machine with this much memory instead of this one: 16GiB, 16GB (10^9 "
+                            "bytes) or 16 (GiB); 0: this device", type=memory_value, bounds=COUNT, aliases=("memory",))
 
 
 @dataclass

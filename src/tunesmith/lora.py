@@ -43,6 +43,10 @@ def attach_lora(
     target_modules: list[str] | str = "all-linear" if targets == ["all-linear"] else targets
     if target_modules != "all-linear":
         check_targets(model, targets)
+    elif last_layers(model, num_layers) is not None:  # PEFT takes a layer subset only with named targets
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        target_modules = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                 if isinstance(m, torch.nn.Linear) and m is not head})
     config = LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM",
         use_dora=dora, layers_to_transform=last_layers(model, num_layers),

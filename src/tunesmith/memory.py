@@ -1,15 +1,17 @@
-"""The fit planner: predict a LoRA run's peak memory, part by part, from the model's config alone.
+"""The fit planner: predict a training run's peak memory, part by part, from the model's config alone.
 
 Nothing here loads weights. The model is built on the meta device from its config, which gives the exact
 parameter count and the shape of every linear layer (so LoRA targets resolve as PEFT resolves them); the
 activation model counts the tensors autograd saves in a Llama-style decoder layer (Llama, Mistral, Qwen2,
-SmolLM) as transformers + PEFT run it in tunesmith's loop. docs/MEMORY.md derives each term and
-compares the prediction with measured peaks.
+SmolLM) as transformers + PEFT run it in tunesmith's loop: LoRA, DoRA, LoRA on a quantized base (QLoRA) and
+full fine-tuning, of every layer or the last few. docs/MEMORY.md derives each term and compares the prediction
+with measured peaks.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,18 @@ from tunesmith.errors import TunesmithError
 GIB = 2**30
 HEADROOM = 0.90  # plan to use at most this share of the available memory (allocator slack, other processes)
 AUTO_MAX_BATCH = 64  # --batch-size auto never goes beyond this
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 0}  # fp32 state bytes per trainable parameter (AdamW: m and v)
+# State bytes per trainable parameter. AdamW: fp32 m and v. adamw8bit (torchao's AdamW8bit): int8 m and v with an
+# fp32 scale per block of 256 values each, for tensors of at least 4096 values in whole blocks (smaller ones keep
+# fp32 state: `optimizer_state_bytes`).
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2 + 8 / 256, "sgd": 0}
+ADAMW8BIT_BLOCK, ADAMW8BIT_MIN_NUMEL, ADAMW8BIT_QMAP = 256, 4096, 256
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+QUANT_SCHEMES = ("nf4", "int4", "int8")  # --quantize-base: tunesmith.qlora's layouts
+NF4_BLOCK, NF4_SCALER_BLOCK, INT4_GROUP = 64, 256, 64
+# A quantized linear is dequantized to the compute dtype for each product, one layer at a time, in the forward
+# and again in the backward pass: this many copies of the largest one are counted as alive at the peak. A first
+# guess (the dequantized weight and one temporary), to be calibrated against measured peaks.
+DEQUANT_COPIES = 2
 INFER_LINEAR_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}  # int4: an fp16 scale and zero per 32
 LOGITS_BYTES_PER_VOCAB = 12  # fp32: log-softmax output, its incoming gradient and its result, at once
 # On the CPU `train` measures the whole process's peak RSS, so the plan counts what the process holds besides
@@ -94,6 +107,7 @@ class ModelShape:
     linears: dict[str, tuple[int, int]] = field(default_factory=dict)  # full module name -> (in, out)
     head_name: str = "lm_head"
     tied: bool = False  # output head shares the embedding matrix
+    parameters: dict[str, int] = field(default_factory=dict)  # parameter name -> numel (tied ones once)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -119,6 +133,7 @@ class ModelShape:
             linears=linears,
             head_name=head_name,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
+            parameters={n: p.numel() for n, p in model.named_parameters()},
         )
 
     def targeted(self, targets: list[str]) -> dict[str, tuple[int, int]]:
@@ -142,17 +157,118 @@ class TrainSetup:
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     lora_dropout: float = 0.05
     precision: str = "fp32"  # fp32 | bf16 | fp16 (bf16/fp16: weights in that dtype, autocast compute)
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # adamw | adamw8bit (| sgd: no state)
     gradient_checkpointing: bool = False
     fused_sdpa: bool = True  # False: attention scores (B x heads x S x S) are materialised
     fused_loss: bool = False  # True: cross-entropy in row chunks (tunesmith.fused), no [B x S x vocab] logits
     device_type: str = "cuda"  # cuda's dropout keeps a 1-byte mask; the CPU and MPS keep fp32 noise
+    fine_tune_type: str = "lora"  # lora | dora | full (the weights themselves, held in fp32 under autocast)
+    quantize_base: str = "none"  # none | nf4 | int4 | int8: the frozen base's decoder linears (lora, dora)
+    num_layers: int = 0  # adapt (full: train) only the last N decoder layers; 0, -1 or >= the layers: all
+
+    @property
+    def full(self) -> bool:
+        return self.fine_tune_type == "full"
 
 
-_FIRST_LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.0\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # as tunesmith.lora finds a decoder layer's index
 _ATTN_IN = ("q_proj", "k_proj", "v_proj")
 # Projections that read the same tensor: with fp32 and no dropout their LoRA branches keep that one tensor.
 _SHARED_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in", "up_proj": "mlp_in"}
+
+
+def trained_layers(shape: ModelShape, num_layers: int) -> range:
+    """The decoder layers a run adapts (full: trains): the last `num_layers`, or all of them for 0, -1 or more than
+    there are (as tunesmith.lora.last_layers reads --num-layers)."""
+    n = shape.layers if num_layers <= 0 or num_layers >= shape.layers else num_layers
+    return range(shape.layers - n, shape.layers)
+
+
+def _layer_of(name: str) -> int | None:
+    hit = _LAYER.search(name)
+    return int(hit.group(1)) if hit else None
+
+
+def _every_layer(shape: ModelShape, s: TrainSetup) -> bool:
+    return len(trained_layers(shape, s.num_layers)) == shape.layers
+
+
+def adapted_linears(shape: ModelShape, s: TrainSetup) -> dict[str, tuple[int, int]]:
+    """The linears that carry LoRA (DoRA) branches: the targets, in the trained layers only."""
+    hits = shape.targeted(list(s.lora_targets))
+    if _every_layer(shape, s):
+        return hits
+    layers = trained_layers(shape, s.num_layers)
+    return {n: io for n, io in hits.items() if _layer_of(n) in layers}
+
+
+def _input_needs_grad(shape: ModelShape, s: TrainSetup, name: str) -> bool:
+    """Whether an adapted linear's input needs a gradient. The first adapted layer's q/k/v read the normed output
+    of a layer that trains nothing below (or of the frozen embedding), unless checkpointing, whose
+    enable_input_require_grads makes every layer's input require it."""
+    first = trained_layers(shape, s.num_layers).start
+    return s.gradient_checkpointing or not (_layer_of(name) == first and name.rpartition(".")[2] in _ATTN_IN)
+
+
+def trainable_tensors(shape: ModelShape, s: TrainSetup) -> list[int]:
+    """The numel of every trainable tensor: LoRA's A and B (DoRA: and the magnitude vector) per adapted linear, or
+    with full fine-tuning the model's own parameters (of the trained layers only, when not all of them train)."""
+    if s.full:
+        if _every_layer(shape, s):
+            return list(shape.parameters.values())
+        layers = trained_layers(shape, s.num_layers)
+        return [n for name, n in shape.parameters.items() if _layer_of(name) in layers]
+    tensors = []
+    for i, o in adapted_linears(shape, s).values():
+        tensors += [s.lora_rank * i, o * s.lora_rank] + ([o] if s.fine_tune_type == "dora" else [])
+    return tensors
+
+
+def optimizer_state_bytes(tensors: list[int], optimizer: str) -> int:
+    """Optimizer state for these trainable tensors (their numel). torchao's AdamW8bit quantizes a tensor's m and v
+    only when it has at least 4096 values in whole blocks of 256: uint8 codes, an fp32 scale per block and a
+    256-entry fp32 code map, each for m and for v; smaller tensors keep fp32 m and v."""
+    if optimizer != "adamw8bit":
+        return int(sum(tensors) * OPTIMIZER_STATE_BYTES[optimizer])
+    total = 0
+    for n in tensors:
+        if n >= ADAMW8BIT_MIN_NUMEL and n % ADAMW8BIT_BLOCK == 0:
+            total += 2 * (n + n // ADAMW8BIT_BLOCK * 4 + ADAMW8BIT_QMAP * 4)
+        else:
+            total += 8 * n
+    return total
+
+
+def quantized_bytes(numel: int, out_features: int, scheme: str, weight_bytes: int = 2) -> int:
+    """Bytes of one linear's weight held as tunesmith.qlora holds it (`weight_bytes`: the dtype it was quantized
+    from, which torchao's nf4 keeps its per-256-scalers factors, lookup table and mean in)."""
+    if scheme == "nf4":  # to_nf4(w, 64, scaler block): 4-bit codes, an int8 scaler per block of 64, double-quantized
+        blocks = numel // NF4_BLOCK
+        factors = blocks // math.gcd(NF4_SCALER_BLOCK, blocks)
+        return numel // 2 + blocks + (factors + 16 + 1) * weight_bytes
+    if scheme == "int4":  # symmetric, codes packed two per byte, an fp16 scale per group of 64 inputs
+        return numel // 2 + numel // INT4_GROUP * 2
+    if scheme == "int8":  # symmetric per output row: int8 codes and an fp16 scale per row
+        return numel + out_features * 2
+    raise TunesmithError(f"--quantize-base must be one of none, {', '.join(QUANT_SCHEMES)}, got {scheme!r}")
+
+
+def quantized_linears(shape: ModelShape, scheme: str) -> dict[str, tuple[int, int]]:
+    """The linears a quantized base holds quantized: every one but the output head, in whole blocks / groups."""
+    whole = {"nf4": lambda i, o: i * o % NF4_BLOCK == 0, "int4": lambda i, o: i % INT4_GROUP == 0,
+             "int8": lambda i, o: True}[scheme]
+    return {n: (i, o) for n, (i, o) in shape.linears.items() if n != shape.head_name and whole(i, o)}
+
+
+def weight_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """The model's own weights: in the weight dtype, quantized linears aside. Full fine-tuning loads the whole
+    model in fp32 (tunesmith.train: fp32 master weights, the frozen layers too), whatever the precision."""
+    w = 4 if s.precision == "fp32" or s.full else 2
+    total = shape.params * w + shape.buffer_bytes
+    if s.quantize_base != "none":
+        for i, o in quantized_linears(shape, s.quantize_base).values():
+            total += quantized_bytes(i * o, o, s.quantize_base, w) - i * o * w
+    return total
 
 
 def layer_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
@@ -169,21 +285,47 @@ def layer_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
     return total
 
 
+def full_layer_extra_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """What a layer whose own weights train keeps per token on top of `layer_activation_bytes`: what the weight
+    gradients need. Each RMSNorm's normalised input (for its weight; fp32, as the whole model is); the input of
+    every linear: in fp32 q/k/v read one tensor and gate/up another, under autocast each keeps its own half copy
+    of the fp32 normed output; o_proj reads the fused attention's output, which attention keeps already;
+    down_proj the SwiGLU product."""
+    a = 4 if s.precision == "fp32" else 2
+    h = shape.hidden
+    inputs = 2 * 4 * h if s.precision == "fp32" else 5 * 2 * h
+    o_proj = 0 if s.fused_sdpa else shape.heads * shape.head_dim * a  # the math kernel's output is copied first
+    return 2 * 4 * h + inputs + o_proj + shape.intermediate * a
+
+
+def tail_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """Per token, outside the decoder layers: the final norm's fp32 input and 1/rms; when every layer of a full
+    fine-tuning trains, also its normed input (its weight trains), the head's input and the embedding's token ids."""
+    total = 4 * shape.hidden + 4
+    if s.full and _every_layer(shape, s):
+        total += 4 * shape.hidden + (4 if s.precision == "fp32" else 2) * shape.hidden + 8
+    return total
+
+
 def lora_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
     """Bytes per token that all LoRA branches keep: lora_A's input, lora_A's output and the dropout mask.
 
     PEFT casts a branch's input to the adapter's fp32 before dropout; under autocast lora_A then reads a
-    half-precision copy. Dropout keeps its mask only where its input needs a gradient (not for layer 0's q/k/v,
-    which read the frozen embedding, unless checkpointing makes it require grad): a 1-byte mask from CUDA's
-    fused kernel, an fp32 noise tensor on the CPU and MPS.
+    half-precision copy. Dropout keeps its mask only where its input needs a gradient (not for the first adapted
+    layer's q/k/v, which read the frozen embedding or frozen layers, unless checkpointing makes it require grad):
+    a 1-byte mask from CUDA's fused kernel, an fp32 noise tensor on the CPU and MPS. DoRA keeps two outputs more
+    per branch: the base result (scaled by the magnitude) and the LoRA result (its scale's gradient needs both).
     """
+    if s.full:
+        return 0
+    a = 4 if s.precision == "fp32" else 2
     dropout = s.lora_dropout > 0
     mask = 1 if s.device_type == "cuda" else 4
     total, seen = 0, set()
-    for name, (d, _) in shape.targeted(list(s.lora_targets)).items():
+    for name, (d, out) in adapted_linears(shape, s).items():
         parent, _, kind = name.rpartition(".")
-        needs_grad = s.gradient_checkpointing or not (_FIRST_LAYER.search(name) and kind in _ATTN_IN)
-        total += mask * d if dropout and needs_grad else 0
+        total += mask * d if dropout and _input_needs_grad(shape, s, name) else 0
+        total += 2 * out * a if s.fine_tune_type == "dora" else 0
         if s.precision != "fp32":
             total += 2 * d + 2 * s.lora_rank  # each branch's own half-precision copy for lora_A
             continue
@@ -200,19 +342,78 @@ def lora_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
     return total
 
 
+def dora_fixed_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """What DoRA keeps per adapted linear whatever the tokens: the weight norm, magnitude / norm and that minus one
+    (fp32, out_features each); and, with dropout, a copy of the base weight: PEFT then recomputes the base output
+    from the dropped-out input with the weight cast to the input's fp32, and the product keeps that weight for
+    the input's gradient: under autocast its half-precision cast, on a quantized fp32 base the dequantized copy
+    (an fp32 base weight is the parameter itself)."""
+    if s.fine_tune_type != "dora":
+        return 0
+    copy = 2 if s.precision != "fp32" else 4 if s.quantize_base != "none" else 0
+    total = 0
+    for name, (i, o) in adapted_linears(shape, s).items():
+        total += 3 * o * 4
+        if s.lora_dropout > 0 and _input_needs_grad(shape, s, name):
+            total += copy * i * o
+    return total
+
+
+def dora_norm_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """The transient of PEFT's DoRA forward, for the adapted linear where it is largest: the update B A is built by
+    running an in x in identity through the branch, and the column norm of W + scale B A takes W (in fp32),
+    B A, scale B A and their sum, fp32 each. In fp32 the identity stays (lora_A keeps it for its gradient) while
+    the norm runs; under autocast lora_A keeps a half copy instead, and the fp32 identity, that copy and B A's
+    half output peak together earlier."""
+    if s.fine_tune_type != "dora":
+        return 0
+    worst = 0
+    for i, o in adapted_linears(shape, s).values():
+        if s.precision == "fp32":
+            n = 4 * i * i + (3 if s.quantize_base == "none" else 4) * 4 * i * o
+        else:
+            n = max(6 * i * i + 2 * i * o, 2 * i * i + 4 * 4 * i * o)
+        worst = max(worst, n)
+    return worst
+
+
+def weight_copy_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """Full fine-tuning under autocast: the half-precision copy of each trained linear's fp32 weight, cast once and
+    cached for the step (autocast caches casts of weights that require grad; backward runs inside it), and of the
+    output head, which a frozen head keeps as well: its product saves the cast weight for the input's gradient."""
+    layers = trained_layers(shape, s.num_layers)
+    every = _every_layer(shape, s)
+    return 2 * sum(i * o for n, (i, o) in shape.linears.items() if every or n == shape.head_name or _layer_of(n) in layers)
+
+
 def lora_parameters(shape: ModelShape, targets: list[str], rank: int) -> int:
     return sum(rank * (i + o) for i, o in shape.targeted(targets).values())
 
 
-def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
-    """Predicted peak memory of one training step, by part (bytes)."""
+def _check_setup(s: TrainSetup) -> None:
     if s.optimizer not in OPTIMIZER_STATE_BYTES:
         raise TunesmithError(f"unknown optimizer {s.optimizer!r}; use {', '.join(OPTIMIZER_STATE_BYTES)}")
-    w = 4 if s.precision == "fp32" else 2
+    if s.fine_tune_type not in FINE_TUNE_TYPES:
+        raise TunesmithError(f"--fine-tune-type must be one of {', '.join(FINE_TUNE_TYPES)}, got {s.fine_tune_type!r}")
+    if s.quantize_base not in ("none", *QUANT_SCHEMES):
+        raise TunesmithError(f"--quantize-base must be one of none, {', '.join(QUANT_SCHEMES)}, got {s.quantize_base!r}")
+    if s.full and s.quantize_base != "none":
+        raise TunesmithError("--quantize-base is for lora and dora; full fine-tuning trains the weights themselves: "
+                             "drop --quantize-base, or use --fine-tune-type lora")
+
+
+def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
+    """Predicted peak memory of one training step, by part (bytes)."""
+    _check_setup(s)
     a = 4 if s.precision == "fp32" else 2
+    residual = 4 if s.full else a  # the decoder's hidden states: the model's weight dtype
     tokens = s.batch_size * s.seq_len
-    n_lora = lora_parameters(shape, list(s.lora_targets), s.lora_rank)
+    kept = len(trained_layers(shape, s.num_layers))  # layers below the trained ones keep nothing: no grad flows there
+    tensors = trainable_tensors(shape, s)
+    trainable = sum(tensors)
     lora = lora_activation_bytes(shape, s)
+    layer = layer_activation_bytes(shape, s) + (full_layer_extra_bytes(shape, s) if s.full else 0)
+    fixed = dora_fixed_bytes(shape, s)
     # Without a fused kernel each layer keeps its softmax probabilities (B x heads x S x S), and the layer being
     # computed holds one more such tensor for a moment.
     scores = 0 if s.fused_sdpa else s.batch_size * shape.heads * s.seq_len**2 * a
@@ -225,23 +426,35 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         rows = min(s.batch_size * (s.seq_len - 1), chunk_rows(s.device_type, shape.vocab))
         logits = rows * shape.vocab * (4 if s.precision == "fp32" else 6) + 2 * s.batch_size * s.seq_len * shape.hidden * a
     if s.gradient_checkpointing:
-        # Each layer keeps only its input. Backward recomputes one layer at a time, after the logits' gradient
-        # is gone, so that layer counts only where it outweighs the logits peak.
-        layer = (layer_activation_bytes(shape, s) + lora // shape.layers) * tokens + 2 * scores
-        activations = shape.layers * shape.hidden * a * tokens + max(0, layer - logits)
+        # Each layer keeps only its input (every layer: the trainer makes the embedding's output require grad).
+        # Backward recomputes one layer at a time, after the logits' gradient is gone, so that layer counts only
+        # where it outweighs the logits peak.
+        one = (layer + lora // kept) * tokens + 2 * scores + fixed // kept
+        activations = shape.layers * shape.hidden * residual * tokens + max(0, one - logits)
     else:
-        # Layer 0's first RMSNorm keeps nothing: its input, the frozen embedding's output, needs no gradient.
-        per_token = shape.layers * layer_activation_bytes(shape, s) - (4 * shape.hidden + 4) + lora
-        activations = per_token * tokens + (shape.layers + 1) * scores
-    activations += 4 * shape.hidden * tokens  # the final norm's fp32 input
-    parts = {
-        "weights": shape.params * w + shape.buffer_bytes,
-        "adapter": n_lora * (4 + (0 if s.precision == "fp32" else 2)),  # fp32 LoRA + autocast's half copy
-        "gradients": n_lora * 4,
-        "optimizer": n_lora * OPTIMIZER_STATE_BYTES[s.optimizer],
+        # The lowest trained layer's first norm keeps nothing for its input, which needs no gradient (the frozen
+        # embedding's output); a full fine-tuning of every layer trains the embedding, so there it does.
+        first = 0 if s.full and kept == shape.layers else 4 * shape.hidden + 4
+        per_token = kept * layer - first + lora
+        activations = per_token * tokens + (kept + 1) * scores + fixed
+    activations += tail_activation_bytes(shape, s) * tokens
+    parts = {"weights": weight_bytes(shape, s)}
+    if not s.full:  # fp32 LoRA weights (and DoRA magnitudes) + autocast's cached half copy of A and B
+        ab = sum(s.lora_rank * (i + o) for i, o in adapted_linears(shape, s).values())
+        parts["adapter"] = trainable * 4 + (0 if s.precision == "fp32" else 2 * ab)
+    elif s.precision != "fp32":
+        parts["weight_copies"] = weight_copy_bytes(shape, s)
+    parts |= {
+        "gradients": trainable * 4,
+        "optimizer": optimizer_state_bytes(tensors, s.optimizer),
         "activations": activations,
         "logits": logits,
     }
+    if s.quantize_base != "none":  # one layer's weight dequantized at a time, alive while it multiplies
+        biggest = max((i * o for i, o in quantized_linears(shape, s.quantize_base).values()), default=0)
+        parts["dequant"] = DEQUANT_COPIES * a * biggest
+    if s.fine_tune_type == "dora":
+        parts["dora_norm"] = dora_norm_bytes(shape, s)
     if s.device_type == "cpu":  # measured there: the whole process's peak RSS, not an allocator's live bytes
         parts["runtime"] = CPU_RUNTIME_BYTES
         parts["allocator"] = CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]
@@ -270,6 +483,7 @@ class FitPlan:
     best_batch: int  # largest power-of-two micro-batch that fits (0: not even 1)
     checkpointing_helps: bool  # gradient checkpointing would let a larger batch (or any batch) fit
     inference: dict[str, dict[str, int]] = field(default_factory=dict)
+    shape: ModelShape | None = None  # the model planned for (`mode_table` plans its other modes)
 
     @property
     def peak_bytes(self) -> int:
@@ -309,7 +523,41 @@ def plan(shape: ModelShape, s: TrainSetup, total: int, available: int) -> FitPla
     best = largest_batch(shape, s, budget)
     ckpt_best = best if s.gradient_checkpointing else largest_batch(shape, replace(s, gradient_checkpointing=True), budget)
     inference = {bits: infer_parts(shape, bits, s.seq_len) for bits in ("bf16", "int8", "int4")}
-    return FitPlan(train_parts(shape, s), total, available, s, best, ckpt_best > best, inference)
+    return FitPlan(train_parts(shape, s), total, available, s, best, ckpt_best > best, inference, shape)
+
+
+# The ways to train that `fit` compares: what each sets on the requested setup (the rest: rank, targets, dropout,
+# precision, --num-layers, seq_len and, for the adapters, the optimizer, stay as asked).
+MODES: dict[str, dict[str, str]] = {
+    "lora": {"fine_tune_type": "lora", "quantize_base": "none"},
+    "dora": {"fine_tune_type": "dora", "quantize_base": "none"},
+    **{f"qlora {q}": {"fine_tune_type": "lora", "quantize_base": q} for q in QUANT_SCHEMES},
+    **{f"full ({o})": {"fine_tune_type": "full", "quantize_base": "none", "optimizer": o} for o in ("adamw", "adamw8bit")},
+}
+
+
+@dataclass(frozen=True)
+class ModeFit:
+    """One way to train, with or without gradient checkpointing: the largest micro-batch that fits and its peak."""
+
+    mode: str
+    gradient_checkpointing: bool
+    best_batch: int  # largest power-of-two micro-batch within the budget (0: not even 1)
+    peak_bytes: int  # predicted peak at best_batch, or at micro-batch 1 when nothing fits
+
+
+def mode_table(shape: ModelShape, s: TrainSetup, budget: int) -> list[ModeFit]:
+    """Every mode in MODES, without and then with gradient checkpointing, planned against `budget` bytes."""
+    from dataclasses import replace
+
+    rows = []
+    for mode, knobs in MODES.items():
+        for ckpt in (False, True):
+            m = replace(s, **knobs, gradient_checkpointing=ckpt, batch_size=1)
+            best = largest_batch(shape, m, budget)
+            peak = sum(train_parts(shape, replace(m, batch_size=max(1, best))).values())
+            rows.append(ModeFit(mode, ckpt, best, peak))
+    return rows
 
 
 def verdict(p: FitPlan) -> str:
@@ -362,6 +610,8 @@ def plan_run(
         optimizer=getattr(cfg, "optimizer", "adamw"), gradient_checkpointing=cfg.gradient_checkpointing,
         fused_sdpa=fused_sdpa(device, precision, shape.kv_heads < shape.heads), device_type=device.type,
         fused_loss=bool(getattr(cfg, "fused_loss", False)),
+        fine_tune_type=getattr(cfg, "fine_tune_type", "lora"), quantize_base=getattr(cfg, "quantize_base", "none"),
+        num_layers=int(getattr(cfg, "num_layers", 0)),
     )
     p = plan(shape, setup, total, available)
     if auto:
@@ -385,9 +635,8 @@ def print_plan(p: FitPlan, device_line: str, console=None) -> None:
     console = console or Console()
     s = p.setup
     console.print(f"[bold]device[/] {device_line}")
-    console.print(f"[bold]training peak[/] at seq {s.seq_len} x micro-batch {s.batch_size}, LoRA r{s.lora_rank} on "
-                  f"{','.join(s.lora_targets)}, {s.precision}, {s.optimizer}"
-                  f"{', gradient checkpointing' if s.gradient_checkpointing else ''}")
+    console.print(f"[bold]training peak[/] at seq {s.seq_len} x micro-batch {s.batch_size}, {describe(s)}, "
+                  f"{s.precision}, {s.optimizer}{', gradient checkpointing' if s.gradient_checkpointing else ''}")
     table = Table()
     table.add_column("part")
     table.add_column("GiB", justify="right")
@@ -401,6 +650,40 @@ def print_plan(p: FitPlan, device_line: str, console=None) -> None:
     console.print(f"inference (weights + KV cache for {s.seq_len} tokens): {inf}")
 
 
+def describe(s: TrainSetup) -> str:
+    """The way a setup trains, in words: 'QLoRA r8 on q_proj,v_proj (nf4 base), last 4 layers'."""
+    if s.full:
+        what = "full fine-tuning"
+    else:
+        kind = "DoRA" if s.fine_tune_type == "dora" else "QLoRA" if s.quantize_base != "none" else "LoRA"
+        base = f" ({s.quantize_base} base)" if s.quantize_base != "none" else ""
+        what = f"{kind} r{s.lora_rank} on {','.join(s.lora_targets)}{base}"
+    return what + (f", last {s.num_layers} layers" if s.num_layers > 0 else "")
+
+
+def print_modes(rows: list[ModeFit], s: TrainSetup, budget: int, console=None) -> None:
+    """The `fit` verb's second table: each way to train, its largest micro-batch and peak, without and with
+    gradient checkpointing."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    lora = f"r{s.lora_rank} on {','.join(s.lora_targets)}" + (f", last {s.num_layers} layers" if s.num_layers > 0 else "")
+    console.print(f"[bold]ways to train[/] at seq {s.seq_len}, {s.precision} ({lora}): the largest power-of-two "
+                  f"micro-batch within {budget / GIB:.2f} GiB, and its peak (at micro-batch 1 where none fits)")
+    table = Table()
+    for name, justify in (("mode", "left"), ("batch", "right"), ("GiB", "right"), ("ckpt batch", "right"),
+                          ("ckpt GiB", "right")):
+        table.add_column(name, justify=justify)
+    cells: dict[str, list[str]] = {}
+    for r in rows:
+        cells.setdefault(r.mode, []).extend([str(r.best_batch) if r.best_batch else "does not fit",
+                                             f"{r.peak_bytes / GIB:.2f}"])
+    for mode, row in cells.items():
+        table.add_row(mode, *row)
+    console.print(table)
+
+
 def fit_from_config(cfg, console=None) -> FitPlan:
     """The `fit` verb: predict a run's peak memory from the model's config and compare it with the device."""
     from tunesmith.device import capabilities, resolve_device, resolve_precision
@@ -412,4 +695,5 @@ def fit_from_config(cfg, console=None) -> FitPlan:
     if cfg.memory_gib > 0:
         line += f" (planning for {cfg.memory_gib:g} GiB instead)"
     print_plan(p, line, console)
+    print_modes(mode_table(p.shape, p.setup, p.budget_bytes), p.setup, p.budget_bytes, console)
     return p

@@ -24,8 +24,9 @@ def merge_model(peft_model, tokenizer, output: str | Path, dtype: str = "float32
     out = Path(output)
     if out.exists() and any(out.iterdir()) and not (out / "tunesmith-merge.json").is_file():
         raise TunesmithError(f"{out} exists and is not a tunesmith merge folder; choose an empty --output")
-    try:
-        merged = merge_adapter(peft_model, safe_merge=True).to(SAVE_DTYPES[dtype])
+    try:  # a fully fine-tuned model (no adapter) has nothing to merge: it is saved as it is
+        merged = peft_model if not hasattr(peft_model, "peft_config") else merge_adapter(peft_model, safe_merge=True)
+        merged = merged.to(SAVE_DTYPES[dtype])
     except ValueError as e:
         if "NaN" not in str(e):
             raise

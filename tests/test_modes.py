@@ -1,0 +1,254 @@
+"""The training modes beyond LoRA: QLoRA (nf4 / int4 / int8 base), DoRA, full fine-tuning, --num-layers, 8-bit AdamW.
+
+Invariants on a tiny Llama: a fresh adapter leaves the (quantized) model unchanged; merged == adapter (on the
+dequantized base for QLoRA); every mode resumes exactly; the artifacts load where the other verbs look for them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_model, tiny_train_config
+from tunesmith.errors import TunesmithError
+
+pytest.importorskip("torchao")
+
+SCHEMES = ["nf4", "int4", "int8"]
+
+
+def _ids(tokenizer):
+    return tokenizer("ROMEO:\nBut soft, what light through yonder window breaks?", return_tensors="pt").input_ids
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_quantized_base_stays_close_to_the_model_and_holds_its_bits(tokenizer, scheme):
+    from tunesmith.qlora import QuantLinear, quantize_base
+
+    model, ids = make_model(tokenizer), _ids(tokenizer)
+    ref = _logits(model, ids)
+    linears = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantize_base(model, scheme)
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert set(quant) == set(linears) - {"lm_head"}  # every decoder linear, not the output head
+    bits = {"nf4": 4.6, "int4": 4.6, "int8": 8.3}[scheme]  # codes plus their scales, per weight
+    for name, m in quant.items():
+        assert m.quantized_bytes() * 8 / linears[name] < bits
+        assert not any(p.requires_grad for p in m.parameters())
+    rel = ((_logits(model, ids) - ref).abs().mean() / ref.abs().mean()).item()
+    assert 0 < rel < {"nf4": 0.2, "int4": 0.2, "int8": 0.02}[scheme]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_a_fresh_adapter_leaves_the_quantized_model_unchanged(tokenizer, scheme, dora):
+    from tunesmith.lora import attach_lora
+    from tunesmith.qlora import quantize_base
+
+    model, ids = quantize_base(make_model(tokenizer), scheme), _ids(tokenizer)
+    ref = _logits(model, ids)
+    peft = attach_lora(model, 4, 8, 0.0, ["all-linear"], dora=dora)
+    assert torch.equal(_logits(peft, ids), ref)
+    trainable = {n for n, p in peft.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("lora_magnitude_vector" in n for n in trainable) == dora
+
+
+def test_the_backward_pass_gives_the_gradient_of_the_dequantized_product(tokenizer):
+    from tunesmith.qlora import QuantLinear
+
+    w = torch.randn(96, 128)
+    for scheme in SCHEMES:
+        layer = QuantLinear.from_weight(w, scheme)
+        x = torch.randn(3, 128, requires_grad=True)
+        layer(x).pow(2).sum().backward()
+        x2 = x.detach().clone().requires_grad_()
+        torch.nn.functional.linear(x2, layer.dequantize()).pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_streaming_load_equals_quantizing_the_loaded_model(tiny_dir, tokenizer):
+    from tunesmith.models import load_model
+    from tunesmith.qlora import QuantLinear, load_quantized_base, quantize_base
+
+    ids = _ids(tokenizer)
+    streamed = load_quantized_base(Path(tiny_dir), torch.device("cpu"), torch.float32, "nf4")
+    plain, _ = load_model(str(tiny_dir))
+    assert streamed is not None and any(isinstance(m, QuantLinear) for m in streamed.modules())
+    assert torch.equal(_logits(streamed, ids), _logits(quantize_base(plain, "nf4"), ids))
+
+
+def test_streaming_load_declines_tensor_names_it_does_not_know(tmp_path, tokenizer):
+    from safetensors.torch import load_file, save_file
+
+    from tunesmith.models import load_model
+    from tunesmith.qlora import QuantLinear, load_quantized_base
+
+    folder = tmp_path / "renamed"
+    make_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({f"language_model.{k}": v for k, v in tensors.items()}, folder / "model.safetensors")
+    assert load_quantized_base(folder, torch.device("cpu"), torch.float32, "int8") is None
+    # the verb then loads it plainly (transformers may or may not rename it) or says it cannot
+    try:
+        model, _ = load_model(str(folder), quantize_base="int8")
+    except (TunesmithError, OSError, ValueError, RuntimeError):
+        return
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_qlora_merged_equals_the_adapter_on_its_dequantized_base(tmp_path, tiny_dir, text_file, tokenizer, scheme):
+    from tunesmith.lora import load_with_adapter, recorded_quantization
+    from tunesmith.merge import merge
+    from tunesmith.models import load_model
+    from tunesmith.train import train
+
+    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, quantize_base=scheme, lora_targets=["all-linear"],
+                                max_steps=4, checkpoint_every=0), progress=False)
+    assert recorded_quantization(r.adapter_dir) == scheme
+    assert json.loads((r.adapter_dir / "tunesmith-adapter.json").read_text())["quantize_base"] == scheme
+    peft, _, _ = load_with_adapter(None, r.adapter_dir)  # the base quantized as it was in training
+    ids = _ids(tokenizer)
+    adapted = _logits(peft, ids)
+    merged_dir = merge("", str(r.adapter_dir), str(tmp_path / "merged"))
+    merged, _ = load_model(str(merged_dir))
+    assert (_logits(merged, ids) - adapted).abs().max().item() < 1e-3
+    base, _ = load_model(str(tiny_dir))
+    assert (_logits(base, ids) - adapted).abs().max().item() > 1e-2  # the adapter trained: a real check
+
+
+def test_dora_merged_equals_the_adapter_in_fp32(tmp_path, tiny_dir, text_file, tokenizer):
+    from tunesmith.lora import load_with_adapter
+    from tunesmith.merge import merge
+    from tunesmith.models import load_model
+    from tunesmith.train import train
+
+    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, fine_tune_type="dora", lora_targets=["all-linear"],
+                                max_steps=4, checkpoint_every=0), progress=False)
+    config = json.loads((r.adapter_dir / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    peft, _, _ = load_with_adapter(None, r.adapter_dir)
+    ids = _ids(tokenizer)
+    merged, _ = load_model(str(merge("", str(r.adapter_dir), str(tmp_path / "merged"))))
+    adapted = _logits(peft, ids)
+    assert (_logits(merged, ids) - adapted).abs().max().item() < 1e-4
+    base, _ = load_model(str(tiny_dir))
+    assert (_logits(base, ids) - adapted).abs().max().item() > 1e-2
+
+
+MODES = {
+    "dora": dict(fine_tune_type="dora"),
+    "qlora-nf4": dict(quantize_base="nf4"),
+    "qlora-int4-dora": dict(quantize_base="int4", fine_tune_type="dora"),
+    "qlora-int8": dict(quantize_base="int8"),
+    "full": dict(fine_tune_type="full", lr=1e-3),
+    "full-last-layer": dict(fine_tune_type="full", num_layers=1, lr=1e-3),
+    "full-adamw8bit": dict(fine_tune_type="full", optimizer="adamw8bit", lr=1e-3),
+    "lora-last-layer": dict(num_layers=1),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_resumes_exactly(tmp_path, tiny_dir, text_file, mode):
+    from safetensors.torch import load_file
+
+    from tunesmith.train import train
+
+    kw = dict(MODES[mode], max_steps=6, checkpoint_every=3, lora_dropout=0.05)
+    ref = train(tiny_train_config(tmp_path / "ref", tiny_dir, text_file, **kw), progress=False)
+    cut = tmp_path / "cut" / "run"
+    shutil.copytree(ref.run_dir, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-000006")
+    shutil.rmtree(cut / ref.adapter_dir.name)
+    again = train(tiny_train_config(tmp_path / "cut", tiny_dir, text_file, resume=True, **kw), progress=False)
+    assert again.losses == ref.losses and len(ref.losses) == 6
+    assert ref.losses[-1] < ref.losses[0]
+    name = "model.safetensors" if kw.get("fine_tune_type") == "full" else "adapter_model.safetensors"
+    a, b = load_file(ref.adapter_dir / name), load_file(again.adapter_dir / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_full_fine_tuning_saves_a_whole_model_that_the_verbs_load(tmp_path, tiny_dir, text_file, tokenizer):
+    from tunesmith.models import load_model
+    from tunesmith.train import train
+
+    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, fine_tune_type="full", lr=1e-3, max_steps=3,
+                                checkpoint_every=0), progress=False)
+    assert r.adapter_dir == r.run_dir / "model" and not (r.run_dir / "adapter").exists()
+    assert r.trainable_params == sum(p.numel() for p in make_model(tokenizer).parameters())
+    assert (r.run_dir / "checkpoints" / "step-000003" / "trainable.safetensors").is_file()
+    model, tok = load_model(str(r.adapter_dir))
+    ids = _ids(tokenizer)
+    torch.testing.assert_close(_logits(model, ids), _logits(r.model.eval(), ids))
+    base, _ = load_model(str(tiny_dir))
+    assert (_logits(base, ids) - _logits(model, ids)).abs().max().item() > 1e-3
+    assert json.loads((r.adapter_dir / "tunesmith-train.json").read_text())["fine_tune_type"] == "full"
+
+
+def test_num_layers_trains_only_the_last_layers(tmp_path, tiny_dir, text_file, tokenizer):
+    from tunesmith.train import train
+
+    lora = train(tiny_train_config(tmp_path / "l", tiny_dir, text_file, num_layers=1, max_steps=1,
+                                   checkpoint_every=0), progress=False).model
+    adapted = {n.split(".lora_")[0] for n, p in lora.named_parameters() if p.requires_grad}
+    assert adapted and all(".layers.1." in n for n in adapted)
+    every = train(tiny_train_config(tmp_path / "a", tiny_dir, text_file, num_layers=1, lora_targets=["all-linear"],
+                                    max_steps=1, checkpoint_every=0), progress=False).model
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in every.named_parameters() if p.requires_grad}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert all(".layers.1." in n for n, p in every.named_parameters() if p.requires_grad)
+    full = train(tiny_train_config(tmp_path / "f", tiny_dir, text_file, fine_tune_type="full", num_layers=1,
+                                   max_steps=1, checkpoint_every=0), progress=False).model
+    trained = [n for n, p in full.named_parameters() if p.requires_grad]
+    assert trained and all(n.startswith("model.layers.1.") for n in trained)
+    assert sum(p.numel() for p in full.parameters() if p.requires_grad) == \
+        sum(p.numel() for p in make_model(tokenizer).model.layers[1].parameters())
+
+
+def test_full_fine_tuning_refuses_a_quantized_base():
+    from tunesmith.config import TrainConfig
+
+    with pytest.raises(TunesmithError, match="--quantize-base is for lora and dora"):
+        TrainConfig(fine_tune_type="full", quantize_base="nf4")
+
+
+def test_a_missing_torchao_names_the_extra(monkeypatch, tokenizer):
+    import builtins
+
+    from tunesmith import qlora
+
+    real = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name.startswith("torchao"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    with pytest.raises(TunesmithError, match=r"pip install 'tunesmith\[qlora\]'"):
+        qlora.quantize_base(make_model(tokenizer), "nf4")
+
+
+def test_the_cli_trains_qlora_and_generates_with_the_adapter_on_its_quantized_base(tmp_path, tiny_dir, text_file,
+                                                                                   capsys):
+    from tunesmith.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["train", "--model", str(tiny_dir), "--data", str(text_file), "--output", str(out), "--device", "cpu",
+               "--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--quantize-base", "nf4",
+               "--fine-tune-type", "dora", "--eval-every", "0"])
+    assert rc in (0, None)
+    assert "adapter saved to" in capsys.readouterr().out
+    rc = main(["generate", "--adapter", str(out), "--prompt", "ROMEO:", "--max-tokens", "4", "--device", "cpu"])
+    assert rc in (0, None)
