@@ -49,6 +49,9 @@ class Case:
     precision: str = "fp32"
     gradient_checkpointing: bool = False
     steps: int = 2  # the optimizer's state exists from step 2 on
+    fine_tune_type: str = "lora"
+    quantize_base: str = "none"
+    optimizer: str = "adamw"
 
 
 SUITES = {
@@ -62,6 +65,21 @@ SUITES = {
              lora_dropout=0.0, precision="bf16"),
         Case("1b-s128-b2", L1B, 128, 2),
         Case("1b-s256-b1-r16-all-ckpt", L1B, 256, 1, 16, ("all-linear",), gradient_checkpointing=True),
+    ],
+    # The training modes on the CPU: the real SmolLM2-135M at the demo's shape (and all-linear for DoRA / QLoRA).
+    "modes": [
+        Case("smol-s256-b4-dora", "real:smollm2-135m-instruct", 256, 4, fine_tune_type="dora"),
+        Case("smol-s256-b4-r16-all-dora", "real:smollm2-135m-instruct", 256, 4, 16, ("all-linear",),
+             fine_tune_type="dora"),
+        Case("smol-s256-b4-qlora-nf4", "real:smollm2-135m-instruct", 256, 4, quantize_base="nf4"),
+        Case("smol-s256-b4-r16-all-qlora-nf4", "real:smollm2-135m-instruct", 256, 4, 16, ("all-linear",),
+             quantize_base="nf4"),
+        Case("smol-s256-b4-qlora-int4-ckpt", "real:smollm2-135m-instruct", 256, 4, quantize_base="int4",
+             gradient_checkpointing=True),
+        Case("smol-s256-b4-qlora-int8", "real:smollm2-135m-instruct", 256, 4, quantize_base="int8"),
+        Case("smol-s256-b4-full", "real:smollm2-135m-instruct", 256, 4, fine_tune_type="full"),
+        Case("smol-s256-b4-full-adamw8bit", "real:smollm2-135m-instruct", 256, 4, fine_tune_type="full",
+             optimizer="adamw8bit"),
     ],
     "cuda": [
         Case("smol-s2048-b16-bf16", SMOL, 2048, 16, precision="bf16"),
@@ -105,8 +123,9 @@ def run_case(case: Case, device: str) -> dict:
         # here, so the random-weight shapes train on the same Shakespeare blocks.
         data = load_data("shakespeare", load_tokenizer(SMOL_ALIAS), case.seq_len)
         runtime = _rss("VmRSS")  # imports, tokenizer and data: what the planner's "runtime" part stands for
-    if case.model.startswith("real:"):
-        model, _ = load_model(case.model[5:], device, dtype)
+    if case.model.startswith("real:"):  # as train loads it: fp32 master weights for full, a base quantized as read
+        model, _ = load_model(case.model[5:], device, torch.float32 if case.fine_tune_type == "full" else dtype,
+                              quantize_base=case.quantize_base)
     else:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(LlamaConfig(**KNOWN_CONFIGS[case.model]), dtype=dtype,
@@ -128,7 +147,8 @@ def run_case(case: Case, device: str) -> dict:
         model="(in-process)", device=device, precision=case.precision, seq_len=case.seq_len,
         batch_size=case.batch_size, grad_accum=1, max_steps=case.steps, warmup_steps=1, eval_every=0,
         lora_rank=case.lora_rank, lora_targets=list(case.lora_targets), lora_dropout=case.lora_dropout,
-        gradient_checkpointing=case.gradient_checkpointing, output=out, seed=0,
+        gradient_checkpointing=case.gradient_checkpointing, output=out, seed=0, fine_tune_type=case.fine_tune_type,
+        quantize_base=case.quantize_base, optimizer=case.optimizer,
     )
     t0 = time.perf_counter()
     result = train(cfg, model=model, data=data, progress=False)
@@ -258,7 +278,7 @@ def main() -> int:
     if args.oom_demo:
         print(json.dumps(oom_demo(args.oom_demo), indent=1))
         return 0
-    device = "cuda" if args.suite == "cuda" else "cpu"
+    device = "cuda" if args.suite == "cuda" else "cpu"  # the cpu and modes suites run on the CPU
     if args.prepare:
         from tunesmith.models import resolve_model
 

@@ -51,7 +51,9 @@ def quality(args) -> None:
     rows = []
     for mode in args.modes.split(","):
         changes = dict(MODES[mode])
-        lr = args.full_lr if changes.get("fine_tune_type") == "full" else demo.lr
+        lr = args.full_lr if changes.get("fine_tune_type") == "full" else args.lr or demo.lr
+        if args.targets:
+            changes["lora_targets"] = args.targets.split(",")
         model, tok = load_model(demo.model, device, quantize_base=changes.get("quantize_base", "none"))
         data = load_data(demo.data, tok, demo.seq_len, demo.val_fraction)
         before = evaluate(model, data.valid, demo.batch_size, demo.eval_batches, tok.pad_token_id).perplexity
@@ -63,11 +65,11 @@ def quality(args) -> None:
         # quantize_base on an injected model quantizes in place: already done by load_model here, so a no-op
         r = train(cfg, model=model, tokenizer=tok, data=data, progress=False)
         after = r.evals[-1][1].perplexity
-        row = {"mode": mode, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
+        row = {"mode": mode, "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
                "drop": 1 - after / before, "trainable": r.trainable_params, "seconds": time.perf_counter() - t,
                "tokens_per_s": r.tokens / r.seconds, "losses": r.losses}
         rows.append(row)
-        print(f"| {mode} | {lr:g} | {r.steps} | {before:.2f} | {after:.2f} ({row['drop']:.1%}) | "
+        print(f"| {mode} | {','.join(cfg.lora_targets)} | {lr:g} | {r.steps} | {before:.2f} | {after:.2f} ({row['drop']:.1%}) | "
               f"{r.trainable_params:,} | {row['tokens_per_s']:.0f} |", flush=True)
         _append(args.json, row)
         del model, r
@@ -92,7 +94,7 @@ def write_random_folder(shape: str, folder: Path, device: str) -> Path:
     from tunesmith.memory import KNOWN_CONFIGS
 
     if (folder / "done").is_file():
-        return folder
+        return _write_index(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**KNOWN_CONFIGS[shape])
     with init_empty_weights():
@@ -118,6 +120,18 @@ def write_random_folder(shape: str, folder: Path, device: str) -> Path:
                                   unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
     tok.save_pretrained(folder)
     (folder / "done").write_text("")
+    return _write_index(folder)
+
+
+def _write_index(folder: Path) -> Path:
+    """The shard index transformers reads a sharded folder by."""
+    from safetensors import safe_open
+
+    index = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            index.update({key: file.name for key in f.keys()})  # noqa: SIM118
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     return folder
 
 
@@ -181,6 +195,8 @@ def main() -> None:
     ap.add_argument("--mode", default="")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--full-lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=0.0, help="quality: the adapters' learning rate (default: the demo's)")
+    ap.add_argument("--targets", default="", help="quality: LoRA targets (default: the demo's q_proj,v_proj)")
     ap.add_argument("--shape", default="meta-llama/Llama-3.1-8B")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
