@@ -252,3 +252,33 @@ def test_the_cli_trains_qlora_and_generates_with_the_adapter_on_its_quantized_ba
     assert "adapter saved to" in capsys.readouterr().out
     rc = main(["generate", "--adapter", str(out), "--prompt", "ROMEO:", "--max-tokens", "4", "--device", "cpu"])
     assert rc in (0, None)
+
+
+def test_compare_scores_a_qlora_run_on_its_quantized_base_and_a_full_run_by_its_model(tmp_path, tiny_dir):
+    pytest.importorskip("torchao")
+    from tests.conftest import CORPUS
+    from tunesmith.cli import main
+    from tunesmith.compare import LADDER_FILE
+    from tunesmith.merge import merge
+    from tunesmith.train import train
+
+    text = tmp_path / "corpus.txt"
+    text.write_text(CORPUS * 2, encoding="utf-8")
+    args = ["--data", str(text), "--seq-len", "32", "--eval-blocks", "4", "--max-tokens", "4",
+            "--calibration-blocks", "0"]
+    q = train(tiny_train_config(tmp_path / "q", tiny_dir, text, quantize_base="nf4", max_steps=3,
+                                checkpoint_every=0), progress=False)
+    merge("", str(q.adapter_dir), str(q.run_dir / "merged"))
+    assert main(["compare", str(q.run_dir), *args]) == 0
+    rows = {r["name"]: r for r in json.loads((q.run_dir / LADDER_FILE).read_text())}
+    assert list(rows)[:4] == ["base", "base (nf4)", "QLoRA (nf4 base + adapter)", "merged fp32"]
+    qlora, merged = rows["QLoRA (nf4 base + adapter)"]["perplexity"], rows["merged fp32"]["perplexity"]
+    assert abs(qlora - merged) / merged < 1e-4  # merged onto the dequantized base: the same model
+    assert rows["base (nf4)"]["perplexity"] != rows["base"]["perplexity"]
+
+    f = train(tiny_train_config(tmp_path / "f", tiny_dir, text, fine_tune_type="full", lr=1e-3, max_steps=3,
+                                checkpoint_every=0), progress=False)
+    assert main(["compare", str(f.run_dir), *args]) == 0
+    rows = {r["name"]: r for r in json.loads((f.run_dir / LADDER_FILE).read_text())}
+    assert "merged fp32" in rows and rows["merged fp32"]["path"] == str(f.adapter_dir)
+    assert rows["merged fp32"]["perplexity"] != rows["base"]["perplexity"]
