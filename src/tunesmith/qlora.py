@@ -219,7 +219,9 @@ def load_quantized_base(folder: Path, device: torch.device, dtype: torch.dtype, 
                 if name is None:
                     return None
                 owner, _, attr = name.rpartition(".")
-                tensor = f.get_tensor(key).to(device=device, dtype=dtype)
+                # a copy: a tensor safetensors hands out may view the whole mapped file, whose every page this
+                # loop reads, and holding one view would keep all of them resident
+                tensor = f.get_tensor(key).to(device=device, dtype=dtype, copy=True)
                 if owner in targets:
                     parts = pending.setdefault(owner, {})
                     parts[attr] = tensor
