@@ -508,6 +508,46 @@ def test_cpu_prediction_is_within_15_percent_of_the_measured_peak(model, seq, ba
         assert predicted == pytest.approx(measured, rel=0.15), runs
 
 
+# The training modes on the CPU, measured (bench/bench_memory.py --suite modes; docs/MEMORY.md): SmolLM2-135M real
+# weights, seq 256, micro-batch 4, dropout 0.05, fp32, the fused loss. (targets, rank, checkpointing, mode, base,
+# optimizer, measured GiB)
+CPU_MEASURED_MODES = [
+    (QV, 8, False, "dora", "none", "adamw", 3.102),
+    (ALL, 16, False, "dora", "none", "adamw", 5.523),
+    (QV, 8, False, "lora", "nf4", "adamw", 2.730),
+    (ALL, 16, False, "lora", "nf4", "adamw", 4.029),
+    (QV, 8, True, "lora", "int4", "adamw", 1.633),
+    (QV, 8, False, "lora", "int8", "adamw", 2.885),
+    (QV, 8, False, "full", "none", "adamw", 5.207),
+    (QV, 8, False, "full", "none", "adamw8bit", 4.122),
+]
+
+
+@pytest.mark.parametrize(("targets", "rank", "ckpt", "mode", "base", "optimizer", "measured"), CPU_MEASURED_MODES)
+def test_each_mode_is_predicted_within_15_percent_of_its_measured_cpu_peak(targets, rank, ckpt, mode, base,
+                                                                            optimizer, measured):
+    shape = M.ModelShape.from_config(M.read_model_config(SMOL))
+    s = M.TrainSetup(seq_len=256, batch_size=4, lora_rank=rank, lora_targets=targets, lora_dropout=0.05,
+                     precision="fp32", gradient_checkpointing=ckpt, device_type="cpu", fused_loss=True,
+                     fine_tune_type=mode, quantize_base=base, optimizer=optimizer)
+    assert sum(M.train_parts(shape, s).values()) / GIB == pytest.approx(measured, rel=0.15)
+
+
+# The Llama-3.1-8B shape on one H200 (bench/bench_modes.py memory): seq 2048, micro-batch 1, LoRA r16 on all
+# linears, dropout 0, bf16, checkpointing; the allocator's peak over the whole process, loading included.
+CUDA_MEASURED_MODES = [("nf4", 7.87), ("int4", 8.00), ("int8", 11.02), ("none", 17.52)]
+
+
+@pytest.mark.parametrize(("base", "measured"), CUDA_MEASURED_MODES)
+def test_qlora_on_the_8b_shape_is_predicted_within_15_percent_and_fits_16_gib(base, measured):
+    shape = M.ModelShape.from_config(M.read_model_config("meta-llama/Llama-3.1-8B"))
+    s = M.TrainSetup(seq_len=2048, batch_size=1, lora_rank=16, lora_targets=ALL, lora_dropout=0.0, precision="bf16",
+                     gradient_checkpointing=True, device_type="cuda", fused_loss=True, quantize_base=base)
+    predicted = sum(M.train_parts(shape, s).values()) / GIB
+    assert predicted == pytest.approx(measured, rel=0.15)
+    assert (predicted < 16) == (base in ("nf4", "int4", "int8"))
+
+
 def test_plan_on_the_cpu_gives_this_process_back_to_the_available_memory(tiny_dir, monkeypatch):
     """The plan counts the process from its start (the runtime part), so what it holds already is not a burden."""
     import tunesmith.device as D

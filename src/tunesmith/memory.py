@@ -45,6 +45,11 @@ CPU_RUNTIME_BYTES = 752 * 2**20  # python, torch, transformers, peft, accelerate
 # 440 MiB at 1.1 GiB); with checkpointing more: the layers' freed forward temporaries still fill the heap when
 # the logits peak comes. The mean of the measured runs, without and with checkpointing.
 CPU_HEAP_SLACK_BYTES = {False: 256 * 2**20, True: 540 * 2**20}
+# A quantized base adds to it: every product dequantizes a weight into fresh memory, forward and backward, and those
+# blocks (a few MiB each) come from glibc's heaps, which keep them. Measured on SmolLM2-135M (docs/MEMORY.md,
+# "Training modes on the CPU"): 0.44-0.79 GiB more than the plan's tensors without checkpointing, 0.1 with it
+# (where the checkpointing slack above already counts 0.28 more).
+CPU_DEQUANT_SLACK_BYTES = {False: 512 * 2**20, True: 200 * 2**20}
 
 # Shapes of well-known models, so `fit` can answer offline (hub configs of gated models need a login).
 KNOWN_CONFIGS: dict[str, dict] = {
@@ -425,6 +430,8 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
 
         rows = min(s.batch_size * (s.seq_len - 1), chunk_rows(s.device_type, shape.vocab))
         logits = rows * shape.vocab * (4 if s.precision == "fp32" else 6) + 2 * s.batch_size * s.seq_len * shape.hidden * a
+        if s.full and s.num_layers <= 0:  # the head trains: its fp32 gradient, built in the forward pass and kept,
+            logits += 2 * shape.vocab * shape.hidden * 4  # then scaled into a second one as backward starts
     if s.gradient_checkpointing:
         # Each layer keeps only its input (every layer: the trainer makes the embedding's output require grad).
         # Backward recomputes one layer at a time, after the logits' gradient is gone, so that layer counts only
@@ -458,6 +465,8 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     if s.device_type == "cpu":  # measured there: the whole process's peak RSS, not an allocator's live bytes
         parts["runtime"] = CPU_RUNTIME_BYTES
         parts["allocator"] = CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]
+        if s.quantize_base != "none":
+            parts["allocator"] += CPU_DEQUANT_SLACK_BYTES[s.gradient_checkpointing]
     return parts
 
 
