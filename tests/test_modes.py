@@ -194,6 +194,10 @@ def test_full_fine_tuning_saves_a_whole_model_that_the_verbs_load(tmp_path, tiny
     base, _ = load_model(str(tiny_dir))
     assert (_logits(base, ids) - _logits(model, ids)).abs().max().item() > 1e-3
     assert json.loads((r.adapter_dir / "tunesmith-train.json").read_text())["fine_tune_type"] == "full"
+    from tunesmith.lora import check_adapter_folder
+
+    with pytest.raises(TunesmithError, match=r"fully fine-tuned model, not an adapter: pass --model .*model"):
+        check_adapter_folder(r.run_dir)
 
 
 def test_num_layers_trains_only_the_last_layers(tmp_path, tiny_dir, text_file, tokenizer):

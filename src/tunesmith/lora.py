@@ -139,6 +139,9 @@ def check_adapter_folder(path: str | Path) -> Path:
             f"{p} holds its adapter as pickle ({', '.join(pickled)}), which can run code when loaded; tunesmith reads "
             f"adapters only as {ADAPTER_FILES[1]}. Convert it with a tool you trust"
         )
+    if missing and (p / "model" / "config.json").is_file():  # a run of --fine-tune-type full
+        raise TunesmithError(f"{p} holds a fully fine-tuned model, not an adapter: pass --model {p / 'model'} "
+                             "instead of --adapter")
     if missing:
         raise TunesmithError(f"{p} is not a PEFT adapter folder: missing {', '.join(missing)}")
     check_safetensors(p / ADAPTER_FILES[1])  # truncated or damaged: a named error, not a crash inside PEFT
