@@ -72,6 +72,17 @@ def _saved_bytes(model, batch, precision: str, loss_sum=None) -> int:
     return sum({ptr: n for ref, ptr, n in saved if ref() is not None}.values())
 
 
+def _kept_by_one_forward(model, vocab: int, b: int, s: int, precision: str, ckpt: bool) -> int:
+    """_saved_bytes of one training forward on a seeded random batch of b x s tokens, with checkpointing as train
+    turns it on when `ckpt`."""
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(0))
+    return _saved_bytes(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, precision)
+
+
 @pytest.mark.parametrize(("precision", "dropout", "targets", "ckpt"), [
     ("fp32", 0.0, ["q_proj", "v_proj"], False),
     ("fp32", 0.1, ["all-linear"], False),
@@ -85,13 +96,8 @@ def test_activations_equal_what_autograd_keeps(tokenizer, precision, dropout, ta
     model = make_model(tokenizer, layers=3, hidden=128).to(torch.bfloat16 if precision == "bf16" else torch.float32)
     shape = M.ModelShape.from_config(model.config)
     model = attach_lora(model, 8, 16.0, dropout, targets)
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.train()
     b, s = 2, 64
-    ids = torch.randint(0, shape.vocab, (b, s), generator=torch.Generator().manual_seed(0))
-    kept = _saved_bytes(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, precision)
+    kept = _kept_by_one_forward(model, shape.vocab, b, s, precision, ckpt)
     setup = M.TrainSetup(seq_len=s, batch_size=b, lora_targets=tuple(targets), lora_dropout=dropout,
                          precision=precision, gradient_checkpointing=ckpt, device_type="cpu")
     parts = M.train_parts(shape, setup)
@@ -131,13 +137,8 @@ def test_dora_and_last_layers_activations_equal_what_autograd_keeps(tokenizer, k
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
                         layers_to_transform=list(range(3 - num_layers, 3)) if num_layers else None)
     model = get_peft_model(model, config)
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.train()
     b, s = 2, 64
-    ids = torch.randint(0, shape.vocab, (b, s), generator=torch.Generator().manual_seed(0))
-    kept = _saved_bytes(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, precision)
+    kept = _kept_by_one_forward(model, shape.vocab, b, s, precision, ckpt)
     setup = M.TrainSetup(seq_len=s, batch_size=b, lora_targets=tuple(targets), lora_dropout=dropout,
                          precision=precision, gradient_checkpointing=ckpt, device_type="cpu", fine_tune_type=kind,
                          num_layers=num_layers)
@@ -164,13 +165,8 @@ def test_full_fine_tuning_activations_equal_what_autograd_keeps(tokenizer, preci
     model.requires_grad_(num_layers == 0)
     for layer in model.model.layers[3 - num_layers:] if num_layers else []:
         layer.requires_grad_(True)
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.train()
     b, s = 2, 64
-    ids = torch.randint(0, shape.vocab, (b, s), generator=torch.Generator().manual_seed(0))
-    kept = _saved_bytes(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, precision)
+    kept = _kept_by_one_forward(model, shape.vocab, b, s, precision, ckpt)
     setup = M.TrainSetup(seq_len=s, batch_size=b, precision=precision, gradient_checkpointing=ckpt, device_type="cpu",
                          fine_tune_type="full", num_layers=num_layers)
     assert sum(M.trainable_tensors(shape, setup)) == sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -19,6 +19,7 @@ so the peak while loading is the quantized model plus one weight, not the full-p
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tunesmith.errors import TunesmithError, missing_extra
+from tunesmith.quantformat import pack_int4, unpack_int4
 
 SCHEMES = ("nf4", "int4", "int8")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's (and the QLoRA paper's) defaults
@@ -33,6 +35,7 @@ INT4_GROUP = 64
 SCALE_DTYPE = torch.float16
 
 
+@functools.cache  # every nf4 forward asks: look it up once (a failed import is not cached, and says what to install)
 def _torchao_nf4():
     try:
         from torchao.quantization import to_nf4
@@ -91,8 +94,6 @@ class QuantLinear(torch.nn.Linear):
         scale = scale.to(SCALE_DTYPE).float()  # codes are rounded against the scale as it is stored
         codes = quantize_affine(w.float(), block, scale, zero, torch.int8, lo, hi)
         if scheme == "int4":
-            from tunesmith.quantformat import pack_int4
-
             codes = pack_int4(codes)
         layer.register_buffer("codes", codes.contiguous())
         layer.register_buffer("scales", scale.reshape(out_f, -1).to(SCALE_DTYPE).contiguous())
@@ -113,8 +114,6 @@ class QuantLinear(torch.nn.Linear):
             return self.qweight.get_original_weight().to(dtype)
         codes = self.codes
         if self.scheme == "int4":
-            from tunesmith.quantformat import unpack_int4
-
             codes = unpack_int4(codes)
         groups = self.scales.shape[1]
         w = codes.view(self.out_features, groups, -1).to(dtype) * self.scales.to(dtype).unsqueeze(-1)
