@@ -49,7 +49,8 @@ TRAINABLE = "trainable.safetensors"  # full fine-tuning: the trained parameters 
 PREFIX = "step-"
 # Settings that change how a run is kept or logged, not what it computes: they may differ on resume without a word.
 BOOKKEEPING = frozenset({"output", "resume", "on_config_mismatch", "keep", "checkpoint_every", "log_every",
-                         "eval_every", "eval_batches", "allow_pickle", "max_bad_steps", "device", "precision"})
+                         "eval_every", "eval_batches", "allow_pickle", "max_bad_steps", "device", "precision",
+                         "gpus", "strategy", "dist_timeout"})
 Echo = Callable[[str], None]
 
 
@@ -68,6 +69,8 @@ class TrainState:
     elapsed: float = 0.0  # seconds of training before this process
     bad_streak: int = 0  # non-finite steps in a row
     batch_size: int = 0  # the micro-batch in use (out-of-memory recovery may have halved it); 0: the flag's
+    per_step: int = 0  # examples per optimizer step, all processes together; 0: as the flags say
+    world: int = 1  # processes that trained together
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -85,7 +88,8 @@ class Checkpoint:
 
 
 class Checkpointer:
-    """Saves and finds one run's checkpoints. Only the main process of a DDP run should call save()."""
+    """Saves and finds one run's checkpoints. Only the main process of a multi-process run calls save(), with
+    what the others hold passed in (their RNG states; under FSDP2 the gathered weights and optimizer state)."""
 
     def __init__(self, run_dir: str | Path, cfg, device: str, precision: str, data_fingerprint: str,
                  echo: Echo = _stderr):
@@ -98,27 +102,32 @@ class Checkpointer:
         self.identity = {"device": device, "precision": precision, "data": data_fingerprint}
         self.echo = echo
 
-    def save(self, state: TrainState, model, optimizer, scheduler, scaler=None) -> Path:
-        """Write a checkpoint of `state` atomically; a failure leaves earlier checkpoints untouched and says so."""
+    def save(self, state: TrainState, model, optimizer, scheduler, scaler=None, *, rng_ranks: list | None = None,
+             trainable: dict | None = None, optimizer_state: dict | None = None) -> Path:
+        """Write a checkpoint of `state` atomically; a failure leaves earlier checkpoints untouched and says so.
+        `rng_ranks`: every process's RNG state, in rank order (default: this one's); `trainable` and
+        `optimizer_state`: the trainable weights by name and the optimizer's state_dict, when the live objects
+        hold only a shard of them."""
         final = self.root / f"{PREFIX}{state.step:06d}"
         tmp = self.root / f"{storage.TMP_PREFIX}{final.name}-{os.getpid()}"
-        tensors, meta = _optimizer_tensors(optimizer.state_dict())
+        tensors, meta = _optimizer_tensors(optimizer_state if optimizer_state is not None else optimizer.state_dict())
         if hasattr(model, "peft_config"):  # the checkpoint is also an adapter folder the other verbs load
             payload = {
-                ADAPTER: _safetensors_bytes(_adapter_tensors(model)),
+                ADAPTER: _safetensors_bytes(_adapter_tensors(model, trainable)),
                 ADAPTER_CONFIG: json.dumps(adapter_config(model, self.config.get("model")), indent=2,
                                            sort_keys=True).encode(),
             }
             if self.config.get("model"):  # the base model, as a finished adapter folder records it
                 payload[BASE_FILE] = base_file(self.config["model"], self.config.get("quantize_base", "none"))
         else:
-            payload = {TRAINABLE: _safetensors_bytes(_trainable_tensors(model))}
+            payload = {TRAINABLE: _safetensors_bytes(_trainable_tensors(model, trainable))}
         payload[OPTIMIZER] = _safetensors_bytes(tensors)
         body = {
             "format": FORMAT, **dataclasses.asdict(state), **self.identity, "config": self.config,
             "optimizer": meta, "scheduler": _scheduler_state(scheduler),
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": capture_rng(self.identity["device"]),
+            "rng": rng_ranks[0] if rng_ranks else capture_rng(self.identity["device"]),
+            "rng_ranks": rng_ranks if rng_ranks and len(rng_ranks) > 1 else None,  # the others' too
         }
         aside, placed, committed = None, False, False
         try:
@@ -307,22 +316,31 @@ def verify(path: str | Path) -> Checkpoint:
 
 
 def restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, planned_total: int, lr: float,
-            weight_decay: float) -> TrainState:
+            weight_decay: float, sharded: bool = False) -> TrainState:
     """Load a verified checkpoint into the live objects; returns the loop's state. The RNGs are separate
-    (restore_rng), to be set right before the loop."""
+    (restore_rng), to be set right before the loop. `sharded` (FSDP2): the weights were restored before sharding
+    (_restore_weights), and the optimizer's full state is split over the processes here."""
     try:
-        return _restore(ckpt, model, optimizer, scheduler, scaler, schedule, planned_total, lr, weight_decay)
+        return _restore(ckpt, model, optimizer, scheduler, scaler, schedule, planned_total, lr, weight_decay, sharded)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a state.json this tunesmith did not write
         raise TunesmithError(f"checkpoint {ckpt.path}: {STATE} is malformed ({type(e).__name__}: {e})") from None
 
 
 def _restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, planned_total: int, lr: float,
-             weight_decay: float) -> TrainState:
+             weight_decay: float, sharded: bool = False) -> TrainState:
     s = ckpt.state
-    _restore_weights(ckpt, model)
-    opt_state = _optimizer_state(read_safetensors(ckpt.path / OPTIMIZER), s["optimizer"], optimizer.state_dict())
+    if not sharded:
+        _restore_weights(ckpt, model)
+    inner_opt = getattr(optimizer, "optimizer", optimizer)
+    live = {"param_groups": inner_opt.param_groups}
+    opt_state = _optimizer_state(read_safetensors(ckpt.path / OPTIMIZER), s["optimizer"], live)
     try:
-        optimizer.load_state_dict(opt_state)
+        if sharded:
+            from tunesmith.distributed import load_full_optimizer_state
+
+            load_full_optimizer_state(model, optimizer, opt_state)
+        else:
+            optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError) as e:
         raise TunesmithError(f"checkpoint {ckpt.path}: optimizer state does not fit this model ({e})") from None
     _requantize_8bit_state(optimizer)
@@ -419,14 +437,16 @@ def carry_metrics(ckpt: Checkpoint, metrics: Path) -> list[dict]:
 # --------------------------------------------------------------------------------- state as plain values
 
 
-def _adapter_tensors(model) -> dict[str, torch.Tensor]:
+def _adapter_tensors(model, trainable: dict | None = None) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+    sd = get_peft_model_state_dict(model, state_dict=trainable)
+    return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
 
-def _trainable_tensors(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+def _trainable_tensors(model, trainable: dict | None = None) -> dict[str, torch.Tensor]:
+    named = trainable if trainable is not None else {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return {n: p.detach().contiguous().cpu() for n, p in named.items()}
 
 
 def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -496,6 +516,12 @@ def capture_rng(device: str) -> dict[str, Any]:
     if device == "mps" and torch.backends.mps.is_available():
         rng["mps"] = _b64(torch.mps.get_rng_state())
     return rng
+
+
+def rng_of(ckpt: Checkpoint, rank: int, world: int) -> dict[str, Any]:
+    """The RNG state process `rank` continues from: its own when the run had as many processes, else process 0's."""
+    ranks = ckpt.state.get("rng_ranks") or []
+    return ranks[rank] if len(ranks) == world else ckpt.state["rng"]
 
 
 def restore_rng(rng: dict[str, Any], device: str) -> None:

@@ -69,10 +69,16 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def _train(cfg):
+    from tunesmith.distributed import launch, launched
     from tunesmith.report import write_report  # looked up now, so a test can replace it
     from tunesmith.train import train
 
+    if cfg.gpus > 1 and not launched():  # this process becomes the launcher of cfg.gpus training processes
+        launch(cfg, C.save_config)
+        return
     r = train(cfg)
+    if not r.main:  # under several processes the main one reports
+        return
     write_report(r.run_dir)  # report.html and a plain-text summary of the run
     last = f", validation perplexity {r.evals[-1][1].perplexity:.2f}" if r.evals else ""
     what = "model" if cfg.fine_tune_type == "full" else "adapter"

@@ -233,6 +233,14 @@ class TrainConfig(DataConfig, ModelConfig):
         "warn", "when --resume finds settings that differ from the checkpoint's: warn and go on, or refuse",
         choices=["warn", "refuse"],
     )
+    gpus: int = opt(0, "launch this many processes, one per CUDA GPU, data-parallel through torch's launcher (0 or 1: "
+                    "this process only); with --device cpu, that many CPU processes on gloo", bounds=COUNT)
+    strategy: str = opt("ddp", "with several processes: ddp (each GPU holds the whole model) or fsdp (FSDP2 shards "
+                        "the frozen base, the adapter and the optimizer over the GPUs; CUDA only)",
+                        choices=["ddp", "fsdp"])
+    dist_timeout: float = opt(300.0, "seconds a process waits for the others at a synchronisation point before it "
+                              "stops with an error (a process that died does not leave the rest hanging)",
+                              bounds=POSITIVE)
     max_bad_steps: int = opt(5, "stop after this many steps in a row with a NaN/inf loss or gradient (each is skipped)",
                              bounds=AT_LEAST_1)
     allow_pickle: bool = opt(
@@ -350,6 +358,8 @@ class FitConfig(ModelConfig):
     num_layers: int = same_as(TrainConfig, "num_layers")
     optimizer: str = same_as(TrainConfig, "optimizer")
     fused_loss: bool = same_as(TrainConfig, "fused_loss")
+    gpus: int = same_as(TrainConfig, "gpus")
+    strategy: str = same_as(TrainConfig, "strategy")
     memory_gib: float = opt(0.0, "plan for a machine with this much memory instead of this one: 16GiB, 16GB (10^9 "
                             "bytes) or 16 (GiB); 0: this device", type=memory_value, bounds=COUNT, aliases=("memory",))
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tunesmith.data import IGNORE, Example, batches
+from tunesmith.data import IGNORE, Example, collate
 
 
 @dataclass
@@ -41,18 +41,34 @@ def evaluate(
     batch_size: int = 4,
     max_batches: int = 0,
     pad_id: int = 0,
+    shard: tuple[int, int] = (0, 1),
+    all_sum: Callable[[list[float]], list[float]] | None = None,
 ) -> EvalResult:
-    """Token-weighted loss and perplexity of `model` on `examples` (0 max_batches: all of them)."""
+    """Token-weighted loss and perplexity of `model` on `examples` (all of them, or the first max_batches batches).
+
+    Under several processes, `shard` (rank, world) gives each its every world-th example and `all_sum` adds up
+    their sums: the result is the one a single process gets. Every process runs the same number of forwards, an
+    unscored one where its share ran out, since a sharded (FSDP) model gathers its weights collectively."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    if max_batches:
+        examples = examples[: max_batches * batch_size]
+    rank, world = shard
+    mine = examples[rank::world]
+    share = math.ceil(len(examples) / world)
+    rounds = math.ceil(share / batch_size)  # the most batches any process has
     total, count = 0.0, 0
-    for i, batch in enumerate(batches(examples, batch_size, pad_id)):
-        if max_batches and i >= max_batches:
-            break
+    for i in range(rounds):
+        chunk = mine[i * batch_size : (i + 1) * batch_size]
+        batch = collate(chunk or examples[:1], pad_id)
         s, n = loss_sum(model, {k: v.to(device) for k, v in batch.items()})
-        total += float(s)
-        count += n
+        if chunk:
+            total += float(s)
+            count += n
+    if all_sum is not None:
+        total, count = all_sum([total, float(count)])
+        count = int(count)
     model.train(was_training)
     if count == 0:
         return EvalResult(float("nan"), float("nan"), 0)

@@ -201,11 +201,13 @@ def base_file(base_spec: str, quantize_base: str = "none") -> bytes:
     return (json.dumps(record, indent=2) + "\n").encode()
 
 
-def save_adapter(model, folder: str | Path, base_spec: str | None, quantize_base: str = "none") -> Path:
-    """Save the adapter as PEFT does (safetensors), recording the base model it was trained on."""
+def save_adapter(model, folder: str | Path, base_spec: str | None, quantize_base: str = "none",
+                 state_dict: dict | None = None) -> Path:
+    """Save the adapter as PEFT does (safetensors), recording the base model it was trained on. `state_dict`: the
+    model's trainable weights by name, whole, where the live model holds only a shard of them (FSDP2)."""
     folder = Path(folder)
     with atomic_folder(folder) as tmp:  # all or nothing, with the modes the user's umask gives
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
         if base_spec:
             config_path = tmp / ADAPTER_FILES[0]
             config = json.loads(config_path.read_text(encoding="utf-8"))

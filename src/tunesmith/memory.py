@@ -170,6 +170,8 @@ class TrainSetup:
     fine_tune_type: str = "lora"  # lora | dora | full (the weights themselves, held in fp32 under autocast)
     quantize_base: str = "none"  # none | nf4 | int4 | int8: the frozen base's decoder linears (lora, dora)
     num_layers: int = 0  # adapt (full: train) only the last N decoder layers; 0, -1 or >= the layers: all
+    world: int = 1  # processes (GPUs) training together; the plan is per process
+    strategy: str = "ddp"  # ddp (every GPU the whole model) | fsdp (FSDP2: weights, gradients, moments sharded)
 
     @property
     def full(self) -> bool:
@@ -462,6 +464,8 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         parts["dequant"] = DEQUANT_COPIES * a * biggest
     if s.fine_tune_type == "dora":
         parts["dora_norm"] = dora_norm_bytes(shape, s)
+    if s.world > 1:
+        parts |= distributed_parts(shape, s, parts, trainable)
     if s.device_type == "cpu":  # measured there: the whole process's peak RSS, not an allocator's live bytes
         parts["runtime"] = CPU_RUNTIME_BYTES
         parts["allocator"] = CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]
@@ -589,8 +593,29 @@ def verdict(p: FitPlan) -> str:
     return text
 
 
+def distributed_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int], trainable: int) -> dict[str, int]:
+    """What changes per GPU when `s.world` processes train together.
+
+    DDP: every GPU holds the whole model, plus the buckets that all-reduce the gradients (a second copy of them).
+    FSDP2 (accelerate's plugin, one shard group per decoder layer, the rest in the root group): weights, adapter,
+    gradients and optimizer state are split `world` ways; a layer's weights are gathered whole just before it runs
+    (the next one prefetched: two layers at once), and the root group's (embedding, final norm, head) stay whole for
+    the step. Activations are per process as on one GPU.
+    """
+    if s.strategy != "fsdp":
+        return {"ddp_buckets": trainable * 4}
+    w = 4 if s.precision == "fp32" or s.full else 2
+    in_layers = sum(n for name, n in shape.parameters.items() if _layer_of(name) is not None)
+    root = shape.params - in_layers
+    sharded = {k: -(-parts[k] // s.world) for k in ("weights", "adapter", "gradients", "optimizer") if k in parts}
+    a = 4 if s.precision == "fp32" else 2
+    sharded["fsdp_gathered"] = root * w + 2 * (in_layers // max(1, shape.layers)) * a
+    return sharded
+
+
 def plan_run(
-    cfg, device: torch.device, precision: str, config=None, memory_gib: float = 0.0, resident_bytes: int = 0
+    cfg, device: torch.device, precision: str, config=None, memory_gib: float = 0.0, resident_bytes: int = 0,
+    world: int = 1,
 ) -> FitPlan:
     """Plan a run described by a TrainConfig-like `cfg` (or FitConfig) on `device`; 'auto' batch picks the largest.
 
@@ -620,7 +645,8 @@ def plan_run(
         fused_sdpa=fused_sdpa(device, precision, shape.kv_heads < shape.heads), device_type=device.type,
         fused_loss=bool(getattr(cfg, "fused_loss", False)),
         fine_tune_type=getattr(cfg, "fine_tune_type", "lora"), quantize_base=getattr(cfg, "quantize_base", "none"),
-        num_layers=int(getattr(cfg, "num_layers", 0)),
+        num_layers=int(getattr(cfg, "num_layers", 0)), world=max(1, world),
+        strategy=getattr(cfg, "strategy", "ddp"),
     )
     p = plan(shape, setup, total, available)
     if auto:
@@ -699,10 +725,13 @@ def fit_from_config(cfg, console=None) -> FitPlan:
 
     device = resolve_device(cfg.device)
     precision = resolve_precision(device, cfg.precision)
-    p = plan_run(cfg, device, precision, memory_gib=cfg.memory_gib)
+    world = max(1, cfg.gpus)
+    p = plan_run(cfg, device, precision, memory_gib=cfg.memory_gib, world=world)
     line = capabilities(device).summary()
     if cfg.memory_gib > 0:
         line += f" (planning for {cfg.memory_gib:g} GiB instead)"
+    if world > 1:
+        line += f"; {world} processes, {'FSDP2' if cfg.strategy == 'fsdp' else 'DDP'}: every figure is per GPU"
     print_plan(p, line, console)
     print_modes(mode_table(p.shape, p.setup, p.budget_bytes), p.setup, p.budget_bytes, console)
     return p

@@ -1,5 +1,5 @@
-"""Fine-tuning on accelerate (single device, or DDP under `accelerate launch`): LoRA, DoRA, LoRA on a quantized
-base (QLoRA), or full fine-tuning.
+"""Fine-tuning on accelerate (one device, or several processes: DDP or FSDP2, under --gpus N, torchrun or
+`accelerate launch`): LoRA, DoRA, LoRA on a quantized base (QLoRA), or full fine-tuning.
 
 Shaped as litgpt shapes it: `train()` sets up (device, precision, accelerator, data, model, LoRA, optimizer,
 schedule, resume), runs `train_loop()` -- the loop, readable top to bottom -- and finishes (saves the adapter,
@@ -28,13 +28,16 @@ from tunesmith.checkpoint import (
     Checkpointer,
     StopSignals,
     TrainState,
+    _restore_weights,
+    capture_rng,
     carry_metrics,
     complete_checkpoints,
     data_fingerprint,
     restore,
     restore_rng,
+    rng_of,
 )
-from tunesmith.config import TrainConfig, save_config
+from tunesmith.config import TrainConfig, save_config, to_dict
 from tunesmith.data import IGNORE, TokenData, collate, describe_data, load_data
 from tunesmith.device import (
     enable_mps_fallback,
@@ -45,6 +48,19 @@ from tunesmith.device import (
     resolve_precision,
     synchronize,
     weight_dtype,
+)
+from tunesmith.distributed import (
+    all_sum,
+    check_agreement,
+    fingerprint,
+    from_main,
+    fsdp_plugin,
+    full_model_state,
+    full_optimizer_state,
+    full_trainable_state,
+    gather,
+    is_dist_failure,
+    launched,
 )
 from tunesmith.errors import Interrupted, TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
@@ -95,6 +111,7 @@ class TrainResult:
     batch_size: int = 0  # micro-batch at the end (out-of-memory recovery may have halved it)
     grad_accum: int = 0  # micro-batches per optimizer step at the end
     model: torch.nn.Module | None = None  # the trained PeftModel, for callers that go on using it
+    main: bool = True  # this is the main process (of one, or of several): the one that writes
 
 
 class Schedule:
@@ -140,9 +157,8 @@ class RunLog:
         self.close()
 
 
-def plan_steps(cfg: TrainConfig, n_examples: int, world: int, batch_size: int) -> tuple[int, int]:
-    """(steps per epoch, total optimizer steps)."""
-    per_step = batch_size * cfg.grad_accum * world
+def plan_steps(cfg: TrainConfig, n_examples: int, per_step: int) -> tuple[int, int]:
+    """(steps per epoch, total optimizer steps) for `per_step` examples per optimizer step (all processes)."""
     per_epoch = max(1, n_examples // per_step)
     if cfg.max_steps is not None:
         if cfg.max_steps < 1:
@@ -161,11 +177,11 @@ def budget_horizon(budget: float, elapsed: float, step: int, total: int, min_ste
     return min(total, max(step + 1, min_steps, fits))
 
 
-def step_examples(order: list[int], step: int, per_step: int, rank: int, world: int) -> list[int]:
-    """Indices of this process's examples for an optimizer step; the order wraps around for later epochs."""
+def step_examples(order: list[int], step: int, per_step: int) -> list[int]:
+    """Indices of an optimizer step's examples, all processes together (process r takes every world-th from r);
+    the order wraps around for later epochs."""
     start = step * per_step
-    idx = [order[(start + i) % len(order)] for i in range(per_step)]
-    return idx[rank::world]
+    return [order[(start + i) % len(order)] for i in range(per_step)]
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -221,7 +237,13 @@ def train(
                              losses=[r["loss"] for r in run.log.rows if r.get("kind") == "train"])
         if loss is None:  # the fused loss where the model allows it; the plain one is the reference
             loss = chunked_loss_sum if cfg.fused_loss and supports_chunked_loss(run.model) else loss_sum
-        train_loop(cfg, run, result, loss, callback, progress and run.accelerator.is_main_process)
+        try:
+            train_loop(cfg, run, result, loss, callback, progress and run.accelerator.is_main_process)
+        except Exception as e:
+            if run.accelerator.num_processes == 1 or not is_dist_failure(e):
+                raise
+            raise TunesmithError(_peer_lost(e, run, cfg)) from None
+    result.main = run.accelerator.is_main_process
     return _finish(cfg, run, result)
 
 
@@ -252,21 +274,31 @@ class Run:
 
 
 def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from datetime import timedelta
 
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
+
+    several = launched()
     earlier = check_run_folder(cfg)  # before anything is written: a refusal leaves the folder as it was
     device = resolve_device(cfg.device)
     if device.type == "mps":  # before the first MPS op (the bf16 probe in resolve_precision is one)
         _note(progress, enable_mps_fallback())
+    fsdp = several and cfg.strategy == "fsdp"
+    if fsdp and device.type != "cuda":
+        raise TunesmithError(f"--strategy fsdp shards over CUDA GPUs; on {device.type} use --strategy ddp")
     precision = resolve_precision(device, cfg.precision)
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
-    batch_size = _plan_memory(cfg, device, precision, model, run_dir, progress)  # settles --batch-size auto
+    # A process that dies leaves the others waiting at the next collective: the timeout turns that wait into an
+    # error (and under --gpus the launcher stops them at once).
     accelerator = Accelerator(
-        cpu=device.type == "cpu", mixed_precision="no" if precision == "fp32" else precision
+        cpu=device.type == "cpu", mixed_precision="no" if precision == "fp32" else precision,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],
+        **({"fsdp_plugin": fsdp_plugin()} if fsdp else {}),
     )
-    main = accelerator.is_main_process
+    main, world = accelerator.is_main_process, accelerator.num_processes
+    batch_size = _plan_memory(cfg, device, precision, model, run_dir, progress and main, main, world)
     say = (lambda text: _note(progress, text)) if main else (lambda text: None)
     set_seed(cfg.seed)
 
@@ -276,6 +308,9 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
         if progress and main:
             print(describe_data(data))  # records truncated or dropped, and why
+    fingerprint = data_fingerprint(data.train)
+    # Every process must train the same thing: one error now, not gradients of different runs averaged.
+    check_agreement(accelerator, config=config_fingerprint(cfg), data=fingerprint)
     # Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast): updates smaller than a bf16
     # weight's rounding step would otherwise be lost. A frozen base may sit in the compute dtype, or quantized.
     dtype = torch.float32 if cfg.fine_tune_type == "full" else weight_dtype(device, precision)
@@ -306,18 +341,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"):
         compile_layers(model)
         kernels.append("compiled layers")
-    params = [p for p in model.parameters() if p.requires_grad]
-    trainable, every = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
-    world = accelerator.num_processes
-    optimizer, what = make_optimizer(cfg, params, device)
-    kernels += [what] if what else []
-    per_epoch, total = plan_steps(cfg, len(data.train), world, batch_size)
-    schedule = Schedule(total, cfg.warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    save_config(cfg, run_dir / "config.yaml")
-
-    saver = Checkpointer(run_dir, cfg, device.type, precision, data_fingerprint(data.train), say)
+    kernels += ["FSDP2"] if fsdp else ["DDP"] if world > 1 else []
+    saver = Checkpointer(run_dir, cfg, device.type, precision, fingerprint, say)
     # Resume restores what the next step depends on: the LoRA weights, AdamW's moments, the schedule (whose horizon
     # a time budget may have cut), the grad scaler, and the step -- which is also the data position, since a step's
     # examples are a pure function of (seed, step). The RNGs are restored by the loop, right before its first step,
@@ -325,26 +350,65 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     ckpt = saver.find(cfg.resume) if cfg.resume else None
     if ckpt:
         saver.check_config(ckpt, cfg.on_config_mismatch)
+    per_step = _examples_per_step(cfg, ckpt, batch_size, world, say)
+    if ckpt and fsdp:  # sharding then splits the restored weights; the optimizer's moments follow after prepare
+        _restore_weights(ckpt, model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable, every = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
+    optimizer, what = make_optimizer(cfg, params, device)
+    kernels += [what] if what else []
+    per_epoch, total = plan_steps(cfg, len(data.train), per_step)
+    schedule = Schedule(total, cfg.warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    # The scheduler stays outside accelerate: its wrapper would step it once per process, and the cosine decay
+    # would run world times too fast.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaced them with sharded ones
+    if main:
+        save_config(cfg, run_dir / "config.yaml")
+    if ckpt:
         state = restore(ckpt, accelerator.unwrap_model(model), optimizer, scheduler, accelerator.scaler, schedule,
-                        total, cfg.lr, cfg.weight_decay)
+                        total, cfg.lr, cfg.weight_decay, sharded=fsdp)
     else:
         state = TrainState(schedule_total=total, planned_total=total)
     if earlier and main:  # --overwrite, once set-up has worked: nothing of the earlier run may pass for this one's
         say(f"--overwrite: replacing the run in {run_dir} ({', '.join(earlier)})")
         for name in ("adapter", "checkpoints", "metrics.jsonl", "report.html"):
             _delete(run_dir / name)
+    accelerator.wait_for_everyone()  # no process writes into the folder before the replaced run is gone
     log = RunLog(run_dir / "metrics.jsonl", ckpt, enabled=main)
     if ckpt:
         say(f"resuming from {ckpt.path} (step {state.step} of {schedule.total})")
     # Set-up is done: say what trains, where, at what precision (the one line a user checks first)
-    on = f"{accelerator.device} x {world} processes" if world > 1 else f"{accelerator.device}"
+    on = f"{accelerator.device.type} x {world} processes" if world > 1 else f"{accelerator.device}"
     say(f"training on {on} in {precision}: {trainable:,} trainable parameters, {trainable / every:.2%} of {every:,}"
         + (f"; {', '.join(kernels)}" if kernels else ""))
-    per_step = batch_size * cfg.grad_accum * world  # examples per optimizer step; out-of-memory recovery keeps it
     if state.batch_size:  # out-of-memory recovery had halved the micro-batch
         batch_size = min(batch_size, state.batch_size)
+    batch_size = min(batch_size, per_step // world)
     return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
                total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say)
+
+
+def _examples_per_step(cfg: TrainConfig, ckpt: Checkpoint | None, batch_size: int, world: int, say) -> int:
+    """Examples per optimizer step, all processes together: micro-batch x grad-accum x processes; a resumed run
+    keeps its checkpoint's, so that resuming on another number of processes trains on the same examples per step."""
+    per_step = batch_size * cfg.grad_accum * world
+    saved, saved_world = (ckpt.state.get("per_step"), ckpt.state.get("world")) if ckpt else (None, None)
+    if not saved or saved_world in (None, world):
+        return int(saved or per_step)
+    if saved % world:
+        raise TunesmithError(
+            f"--resume: the checkpoint's {saved_world}-process run took {saved} examples per step, which {world} "
+            f"processes cannot split evenly; resume on a number of processes that divides {saved}"
+        )
+    mine = saved // world
+    micro = min(batch_size, mine)
+    say(f"resuming a {saved_world}-process run on {world}: each step still trains on the same {saved} examples "
+        f"({mine} per process, micro-batch {micro} x {-(-mine // micro)}), so the losses follow the uninterrupted "
+        "run's up to floating-point summation order; dropout's random draws differ from it"
+        + (", each process continuing process 0's random state" if world > 1 else ""))
+    return saved
 
 
 def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = loss_sum,
@@ -360,19 +424,22 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
     started = time.perf_counter() - state.elapsed  # elapsed counts the earlier processes of a resumed run
     step, result.tokens, bad_streak = state.step, state.tokens, state.bad_streak
     if run.ckpt:  # last thing before the first step: nothing in set-up may draw from them after this
-        restore_rng(run.ckpt.state["rng"], run.device.type)
+        restore_rng(rng_of(run.ckpt, rank, world), run.device.type)
+    unwrapped = acc.unwrap_model(model)
     with bar, StopSignals() as stop:
         while step < schedule.total:
             t0 = time.perf_counter()
             # A step's examples are a pure function of (seed, step): that is what makes resume exact.
             order = epoch_order(len(data.train), cfg.seed, step // run.per_epoch)
-            mine = [data.train[i] for i in step_examples(order, step % run.per_epoch, run.per_step, rank, world)]
-            # Normalise by the supervised tokens of the whole step, so that splitting it into more or fewer
-            # micro-batches gives the same gradient.
-            n_tokens = max(1, sum(sum(1 for t in lab[1:] if t != IGNORE) for _, lab in mine))
+            every = [data.train[i] for i in step_examples(order, step % run.per_epoch, run.per_step)]
+            mine = every[rank::world]  # this process's share: no example is seen twice in an epoch
+            # Normalise by the supervised tokens of the whole step, all processes together, so that splitting it
+            # into more or fewer micro-batches or processes gives the same gradient.
+            n_tokens = max(1, sum(sum(1 for t in lab[1:] if t != IGNORE) for _, lab in every))
             while True:  # out of memory: halve the micro-batch, double the accumulation, redo this step afresh
                 try:
                     step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss)
+                    step_loss = all_sum(acc, [step_loss])[0]  # the processes' shares of the step's loss
                     break
                 except Exception as e:
                     if not is_oom(e):
@@ -383,13 +450,14 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                 batch_size = _halve_batch(acc.device, step, batch_size, len(mine), bar, progress, log)
             # The norm is measured even without clipping (max_norm inf scales by exactly 1): the guard needs it.
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            grad_norm = float(acc.clip_grad_norm_(run.params, max_norm))
+            grad_norm = _as_float(acc.clip_grad_norm_(run.params, max_norm))
             lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao's optimizers
             # Non-finite guard: one NaN/inf update would poison the weights and AdamW's moments for good, so the
             # step is skipped (weights, optimizer and schedule untouched) and the data moves on. Under fp16 an inf
             # gradient with a finite loss is the grad scaler's to handle: it skips the update and lowers the scale.
+            # Loss and norm are the same on every process (summed; synchronized gradients), and so is the verdict.
             bad = not math.isfinite(step_loss) or (not math.isfinite(grad_norm) and acc.scaler is None)
-            if _any_process(acc, bad):
+            if bad:
                 bad_streak += 1
             else:
                 optimizer.step()
@@ -404,12 +472,14 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                 _skipped(step, step_loss, grad_norm, bad_streak, cfg, log, run.say, run.saver)
             else:
                 result.losses.append(step_loss)
-                result.tokens += n_tokens * world
-            tps = n_tokens * world / dt
+                result.tokens += n_tokens
+            tps = n_tokens / dt
             if cfg.time_budget and step == CALIBRATION_STEPS and schedule.total > step:
                 # Steps 2..3 are warm: fit the run into the budget (never below --min-steps) and let the cosine
                 # decay end at the new horizon.
-                schedule.total = budget_horizon(cfg.time_budget, elapsed, step, schedule.total, cfg.min_steps)
+                # (the main process's pace decides, or the processes would plan different lengths)
+                schedule.total = from_main(acc, budget_horizon(cfg.time_budget, elapsed, step, schedule.total,
+                                                               cfg.min_steps))
                 bar.update(task, total=schedule.total)
             if not bad_streak and (step % cfg.log_every == 0 or step == schedule.total):
                 log.write("train", step=step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens=result.tokens,
@@ -417,7 +487,8 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             bar.update(task, advance=1, loss=step_loss, tps=tps)
             last = step == schedule.total
             if data.valid and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-                ev = evaluate(model, data.valid, batch_size, cfg.eval_batches, run.pad_id)
+                ev = evaluate(unwrapped, data.valid, batch_size, cfg.eval_batches, run.pad_id, (rank, world),
+                              lambda v: all_sum(acc, v))
                 result.evals.append((step, ev))
                 log.write("eval", step=step, val_loss=ev.loss, val_ppl=ev.perplexity, val_tokens=ev.tokens)
                 model.train()
@@ -428,9 +499,14 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             if last or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 state = TrainState(step=step, schedule_total=schedule.total, planned_total=run.planned_total,
                                    tokens=result.tokens, elapsed=time.perf_counter() - started, bad_streak=bad_streak,
-                                   run_id=state.run_id, batch_size=batch_size)
+                                   run_id=state.run_id, batch_size=batch_size, per_step=run.per_step, world=world)
+                # Every process's RNG, and under FSDP2 the whole weights and moments: collectives, then the main
+                # process writes.
+                rngs = gather(acc, capture_rng(run.device.type))
+                weights, moments = full_trainable_state(unwrapped), full_optimizer_state(unwrapped, optimizer)
                 if main:
-                    saved = run.saver.save(state, acc.unwrap_model(model), optimizer, scheduler, acc.scaler)
+                    saved = run.saver.save(state, unwrapped, optimizer, scheduler, acc.scaler, rng_ranks=rngs,
+                                           trainable=weights, optimizer_state=moments)
                 acc.wait_for_everyone()
             if callback:
                 callback(StepRecord(step, step_loss, lr, grad_norm, result.tokens, tps, elapsed, bool(bad_streak)))
@@ -448,11 +524,19 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
     acc = run.accelerator
     result.peak_memory_bytes = peak_memory_bytes(acc.device)
     acc.wait_for_everyone()
-    if acc.is_main_process and cfg.fine_tune_type == "full":
-        save_model(acc.unwrap_model(run.model), run.tokenizer, result.adapter_dir, cfg.model)
-    elif acc.is_main_process:  # records the model it needs, and how its base was held
-        save_adapter(acc.unwrap_model(run.model), result.adapter_dir, cfg.model, cfg.quantize_base)
-    result.model = acc.unwrap_model(run.model)
+    model = acc.unwrap_model(run.model)
+    # Under FSDP2 the weights are gathered whole onto the main process first (every process takes part): the
+    # folder is the same plain one that a single device writes.
+    if cfg.fine_tune_type == "full":
+        weights = full_model_state(model)
+        if acc.is_main_process:
+            save_model(model, run.tokenizer, result.adapter_dir, cfg.model, state_dict=weights)
+    else:
+        weights = full_trainable_state(model) if acc.num_processes > 1 else None
+        if acc.is_main_process:  # records the model it needs, and how its base was held
+            save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights)
+    acc.wait_for_everyone()
+    result.model = model
     return result
 
 
@@ -474,12 +558,12 @@ def make_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> tupl
     return optimizer, "fused AdamW" if fused else ""
 
 
-def save_model(model, tokenizer, folder: Path, base_spec: str) -> Path:
+def save_model(model, tokenizer, folder: Path, base_spec: str, state_dict: dict | None = None) -> Path:
     """A fully fine-tuned model: a plain HF folder (safetensors, config, tokenizer) that every verb loads."""
     from tunesmith.storage import atomic_folder
 
     with atomic_folder(folder) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "tunesmith-train.json").write_text(json.dumps({"base_model": base_spec, "fine_tune_type": "full"},
@@ -513,6 +597,15 @@ def _skipped(step: int, loss: float, grad_norm: float, streak: int, cfg: TrainCo
             f"(last: loss {loss:.4g}, gradient norm {grad_norm:.4g}); stopped, {kept}. Lower --lr (now {cfg.lr:g}), "
             "check the data of those steps, or try --precision fp32; then continue with --resume"
         )
+
+
+def config_fingerprint(cfg: TrainConfig) -> str:
+    return fingerprint(to_dict(cfg))
+
+
+def _as_float(norm) -> float:
+    """A gradient norm as a float (under FSDP2 a DTensor, whole once asked for)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def _any_process(accelerator, flag: bool) -> bool:
@@ -564,6 +657,15 @@ def _delete(path: Path) -> None:
         path.unlink()
 
 
+def _peer_lost(e: BaseException, run: Run, cfg: TrainConfig) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    done = run.saver.complete()
+    kept = f"the newest checkpoint, {done[0][1]}, is intact" if done else "no checkpoint was saved yet"
+    return (f"process {run.accelerator.process_index} of {run.accelerator.num_processes}: another process stopped, "
+            f"or did not answer within --dist-timeout {cfg.dist_timeout:g}s ({first[:200]}); stopping too. {kept}: "
+            "run the same command with --resume to continue")
+
+
 def _oom_advice(e: BaseException, step: int, batch_size: int, world: int, seq_len: int) -> str:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     if world > 1:
@@ -573,8 +675,10 @@ def _oom_advice(e: BaseException, step: int, batch_size: int, world: int, seq_le
             "Try --gradient-checkpointing, a shorter --seq-len, or a smaller model; `tunesmith fit` shows what fits")
 
 
-def _plan_memory(cfg: TrainConfig, device: torch.device, precision: str, model, run_dir: Path, progress: bool) -> int:
-    """Write the planner's prediction to fit.json (the report reads it); 'auto' takes the largest batch that fits."""
+def _plan_memory(cfg: TrainConfig, device: torch.device, precision: str, model, run_dir: Path, progress: bool,
+                 main: bool = True, world: int = 1) -> int:
+    """Write the planner's prediction (per process) to fit.json (the report reads it); 'auto' takes the largest
+    batch that fits."""
     from tunesmith.memory import plan_run, verdict
 
     auto = cfg.batch_size == "auto"
@@ -586,13 +690,14 @@ def _plan_memory(cfg: TrainConfig, device: torch.device, precision: str, model, 
     on_device = [] if model is None else [p for p in model.parameters() if p.device.type == device.type]
     resident = sum(p.numel() * p.element_size() for p in on_device)  # weights already loaded: not extra
     try:
-        fit = plan_run(cfg, device, precision, config, resident_bytes=resident)
+        fit = plan_run(cfg, device, precision, config, resident_bytes=resident, world=world)
     except TunesmithError as e:
         if auto:
             raise
         _note(progress, f"no memory plan ({e}); training with micro-batch {cfg.batch_size}")
         return cfg.batch_size
-    fit.write(run_dir / "fit.json")
+    if main:
+        fit.write(run_dir / "fit.json")
     if auto or not fit.fits:
         _note(progress, f"micro-batch {fit.setup.batch_size}: {verdict(fit)}")
     return fit.setup.batch_size
