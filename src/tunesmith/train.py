@@ -287,6 +287,9 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     fsdp = several and cfg.strategy == "fsdp"
     if fsdp and device.type != "cuda":
         raise TunesmithError(f"--strategy fsdp shards over CUDA GPUs; on {device.type} use --strategy ddp")
+    if fsdp and cfg.quantize_base != "none":
+        raise TunesmithError("--quantize-base with --strategy fsdp: a quantized base is not sharded; use "
+                             "--strategy ddp (each GPU holds the small quantized base), or drop --quantize-base")
     precision = resolve_precision(device, cfg.precision)
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -314,8 +317,9 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     # Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast): updates smaller than a bf16
     # weight's rounding step would otherwise be lost. A frozen base may sit in the compute dtype, or quantized.
     dtype = torch.float32 if cfg.fine_tune_type == "full" else weight_dtype(device, precision)
-    if model is None:
-        model, tokenizer = load_model(cfg.model, accelerator.device, dtype, cfg.trust_remote_code,
+    if model is None:  # under FSDP2 into CPU memory: sharding moves each process's part onto its GPU
+        model, tokenizer = load_model(cfg.model, torch.device("cpu") if fsdp else accelerator.device, dtype,
+                                      cfg.trust_remote_code,
                                       allow_pickle=cfg.allow_pickle, quantize_base=cfg.quantize_base)
     elif cfg.quantize_base != "none":
         from tunesmith.qlora import quantize_base
@@ -338,7 +342,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"):
+    # (auto leaves FSDP2 runs eager: its hooks around each layer would go inside the compiled region)
+    if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda" and not fsdp):
         compile_layers(model)
         kernels.append("compiled layers")
     kernels += ["FSDP2"] if fsdp else ["DDP"] if world > 1 else []
