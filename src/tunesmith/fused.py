@@ -69,6 +69,10 @@ def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     targets = labels[keep_rows]
     softcap = getattr(lm.config, "final_logit_softcapping", None) or 0.0
     loss = linear_cross_entropy_sum(hidden, head.weight, targets, softcap)
+    if hasattr(head, "reshard") and not head.weight.requires_grad:
+        # FSDP2 keeps the output layer's gathered weight until the backward pass is done with it; a frozen head's
+        # part of the backward is already computed here, so its whole weight goes back to its shards now.
+        head.reshard()
     return loss, int(targets.numel())
 
 

@@ -597,19 +597,23 @@ def distributed_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int], t
     """What changes per GPU when `s.world` processes train together.
 
     DDP: every GPU holds the whole model, plus the buckets that all-reduce the gradients (a second copy of them).
-    FSDP2 (accelerate's plugin, one shard group per decoder layer, the rest in the root group): weights, adapter,
-    gradients and optimizer state are split `world` ways; a layer's weights are gathered whole just before it runs
-    (the next one prefetched: two layers at once), and the root group's (embedding, final norm, head) stay whole for
-    the step. Activations are per process as on one GPU.
+    FSDP2 (accelerate's plugin: one shard group per decoder layer, the embedding one, the final norm and the head
+    one): weights, adapter, gradients and optimizer state are split `world` ways; a layer's weights are gathered
+    whole just before it runs (the next one prefetched: two layers at once), the head's from the end of the forward
+    pass. Activations are per process as on one GPU.
     """
     if s.strategy != "fsdp":
         return {"ddp_buckets": trainable * 4}
     w = 4 if s.precision == "fp32" or s.full else 2
     in_layers = sum(n for name, n in shape.parameters.items() if _layer_of(name) is not None)
-    root = shape.params - in_layers
+    head = shape.parameters.get(f"{shape.head_name}.weight", shape.vocab * shape.hidden)  # tied: the embedding
     sharded = {k: -(-parts[k] // s.world) for k in ("weights", "adapter", "gradients", "optimizer") if k in parts}
     a = 4 if s.precision == "fp32" else 2
-    sharded["fsdp_gathered"] = root * w + 2 * (in_layers // max(1, shape.layers)) * a
+    layers = 2 * (in_layers // max(1, shape.layers)) * a
+    # The output layer's group stays gathered from the end of the forward pass until its backward; the fused loss
+    # of a frozen head gives it back before the backward pass (tunesmith.fused), when the layers' turn comes.
+    frozen_head = s.fused_loss and not (s.full and s.num_layers <= 0)
+    sharded["fsdp_gathered"] = max(head * w, layers) if frozen_head else head * w + layers
     return sharded
 
 
