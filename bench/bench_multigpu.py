@@ -58,28 +58,35 @@ def corpus(folder: Path, tokens: int, seed: int = 0) -> Path:
 
 def run(a, row: Row, model: Path, data: Path, gpus: int, strategy: str, most: int) -> dict:
     out = Path(a.workdir) / "runs" / f"{row.name}-{gpus}-{strategy}"
-    cmd = [sys.executable, "-m", "tunesmith.cli", "train", "--model", str(model), "--data", str(data),
+    # (FSDP2 on one GPU needs a launched process: torchrun with one)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] \
+        if gpus == 1 and strategy == "fsdp" else []
+    cmd = [sys.executable, *launcher, "-m", "tunesmith.cli", "train", "--model", str(model), "--data", str(data),
            "--output", str(out), "--overwrite", "--device", a.device, "--seq-len", str(row.seq),
            "--batch-size", str(row.batch), "--grad-accum", str(most // gpus), "--max-steps", str(a.steps),
            "--lora-rank", str(row.rank), "--lora-alpha", str(row.alpha), "--lora-targets", ",".join(row.targets),
            "--lora-dropout", "0", "--lr", "1e-4", "--warmup-steps", "5", "--eval-every", "0",
-           "--checkpoint-every", "0", "--seed", "0", "--gpus", str(gpus), "--strategy", strategy]
+           "--checkpoint-every", str(a.steps // 2 if a.resume_check else 0), "--keep", "0", "--seed", "0",
+           "--gpus", str(gpus), "--strategy", strategy]
     if row.name in CHECKPOINTING:
         cmd.append("--gradient-checkpointing")
     cmd += a.flags.split()
-    started = time.perf_counter()
-    log = Path(a.workdir) / "logs" / f"{out.name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
-                              env={**os.environ, **OFFLINE_ENV})
-    result = {"row": row.name, "gpus": gpus, "strategy": strategy, "rc": proc.returncode,
-              "wall_s": time.perf_counter() - started, "command": " ".join(cmd[3:])}
-    if proc.returncode:
-        result["error"] = log.read_text(errors="replace")[-2000:]
+    result = {"row": row.name, "gpus": gpus, "strategy": strategy, "command": " ".join(cmd[1:])}
+    train, failed = _train(a, cmd, out, out.name, result)
+    if failed:
         return result
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    train = [r for r in rows if r["kind"] == "train"]
+    if a.resume_check:  # the second half again, from the mid-run checkpoint, in a copy of the run folder
+        import shutil
+
+        again = out.with_name(out.name + "-resumed")
+        shutil.rmtree(again, ignore_errors=True)
+        shutil.copytree(out, again)
+        mid = again / "checkpoints" / f"step-{a.steps // 2:06d}"
+        resumed_cmd = [x if x != str(out) else str(again) for x in cmd if x != "--overwrite"]
+        resumed, failed = _train(a, [*resumed_cmd, "--resume", str(mid)], again, again.name, {})
+        if not failed:
+            pairs = list(zip(resumed[a.steps // 2:], train[a.steps // 2:], strict=True))
+            result["resume_max_rel_loss_diff"] = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in pairs)
     result |= {
         "losses": [r["loss"] for r in train],
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[a.warmup:] or train),
@@ -91,6 +98,22 @@ def run(a, row: Row, model: Path, data: Path, gpus: int, strategy: str, most: in
     return result
 
 
+def _train(a, cmd: list[str], out: Path, name: str, result: dict) -> tuple[list[dict], bool]:
+    """Run one training command; its metrics' train rows, and whether it failed (the log's end in `result`)."""
+    started = time.perf_counter()
+    log = Path(a.workdir) / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
+                              env={**os.environ, **OFFLINE_ENV})
+    result |= {"rc": proc.returncode, "wall_s": time.perf_counter() - started}
+    if proc.returncode:
+        result["error"] = log.read_text(errors="replace")[-2000:]
+        return [], True
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if r["kind"] == "train"], False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--row", choices=sorted(ROWS), default="smollm2")
@@ -100,6 +123,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the tokens/s median")
     ap.add_argument("--flags", default="", help="more `tunesmith train` flags for every run")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--resume-check", action="store_true",
+                    help="checkpoint at half-way, then train the second half again from it and compare the losses")
     ap.add_argument("--workdir", default="/tmp/tunesmith-multigpu")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -127,7 +152,8 @@ def main() -> int:
             r["max_rel_loss_diff"] = max(abs(x - y) / abs(y) for x, y in pairs) if pairs else float("nan")
         print(f"{r['gpus']}:{r['strategy']:<10}{r['tokens_per_s']:>12,.0f}{r.get('speedup', 0):>10.2f}"
               f"{r['peak_gib']:>14.2f}{r.get('memory_ratio', 0):>8.2f}{r.get('planned_gib', 0):>9.2f}"
-              f"{r.get('max_rel_loss_diff', 0):>19.2e}")
+              f"{r.get('max_rel_loss_diff', 0):>19.2e}"
+              + (f"   resumed: {r['resume_max_rel_loss_diff']:.2e}" if "resume_max_rel_loss_diff" in r else ""))
     if a.out:
         with open(a.out, "a") as f:
             for r in results:

@@ -23,8 +23,9 @@ from tunesmith.errors import TunesmithError
 
 
 def launched() -> bool:
-    """Whether this process is one of several that a launcher started (torchrun, accelerate launch, --gpus)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether a launcher started this process (torchrun, accelerate launch, --gpus): as one of several, or as the
+    only one (then --strategy fsdp still wraps the model, unsharded)."""
+    return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def check_launch(n: int, device: str) -> None:
