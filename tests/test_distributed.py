@@ -245,3 +245,16 @@ def test_planner_per_gpu_shards_fsdp_and_adds_buckets_for_ddp():
     assert fsdp["activations"] == one["activations"]
     # an 8B's bf16 weights dominate: two GPUs under FSDP2 need well under the one GPU's peak each
     assert sum(fsdp.values()) < 0.6 * sum(one.values())
+
+
+def test_the_fsdp2_plugin_wraps_each_decoder_layer(tiny_model):
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from tunesmith.distributed import fsdp_plugin
+
+    plugin = fsdp_plugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    plugin.set_auto_wrap_policy(tiny_model)
+    wrap = fsdp2_prepare_auto_wrap_policy(plugin, tiny_model)
+    wrapped = [type(m).__name__ for m in tiny_model.modules() if wrap(m)]
+    assert wrapped == ["LlamaDecoderLayer"] * tiny_model.config.num_hidden_layers

@@ -154,24 +154,15 @@ def is_dist_failure(e: BaseException) -> bool:
 # ------------------------------------------------------------------------------------------------ FSDP2
 
 
-def fsdp_plugin(model) -> Any:
-    """accelerate's FSDP2 plugin: each decoder layer its own shard group (its weights gathered just before use and
-    freed after), the full state dict gathered on the main process for saving."""
+def fsdp_plugin() -> Any:
+    """accelerate's FSDP2 plugin: each decoder layer its own shard group (the model's `_no_split_modules`; its
+    weights gathered just before use and freed after), the full state dict gathered for saving."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    layer = _decoder_layer_class(model)
     return FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=[layer],
-        reshard_after_forward=True, state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False,
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+        state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False,
     )
-
-
-def _decoder_layer_class(model) -> str:
-    names = getattr(model, "_no_split_modules", None) or []
-    if names:
-        return names[0]
-    raise TunesmithError(f"--strategy fsdp: {type(model).__name__} names no decoder layer class to shard by; "
-                         "use --strategy ddp")
 
 
 def is_sharded(model) -> bool:
