@@ -60,6 +60,7 @@ from tunesmith.distributed import (
     full_trainable_state,
     gather,
     is_dist_failure,
+    is_sharded,
     launched,
 )
 from tunesmith.errors import Interrupted, TunesmithError
@@ -537,7 +538,7 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
         if acc.is_main_process:
             save_model(model, run.tokenizer, result.adapter_dir, cfg.model, state_dict=weights)
     else:
-        weights = full_trainable_state(model) if acc.num_processes > 1 else None
+        weights = full_trainable_state(model) if is_sharded(model) else None
         if acc.is_main_process:  # records the model it needs, and how its base was held
             save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights)
     acc.wait_for_everyone()
