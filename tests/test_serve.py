@@ -158,6 +158,53 @@ def test_eight_clients_at_once_are_all_answered_as_each_would_be_alone(client, s
     assert answers == alone
 
 
+def test_the_queue_is_first_come_first_served_and_running_answers_take_turns(tiny_model, tokenizer):
+    """Two slots, four requests: the first two alternate a token each, the last two wait, then alternate; a request
+    cancelled while it waits is never started."""
+    from tunesmith.generate import encode_prompt
+    from tunesmith.serve.engine import Job
+
+    engine, order, done = Engine(tiny_model, tokenizer, parallel=2), [], threading.Semaphore(0)
+
+    def job(i):
+        def emit(item, i=i):
+            if item is None:
+                done.release()
+            else:
+                order.append(i)
+        return Job(None, encode_prompt(tokenizer, "ROMEO:"), 4, 0.0, 1.0, 0, [], emit)
+
+    jobs = [job(i) for i in range(5)]
+    jobs[4].cancelled.set()
+    for j in jobs:
+        engine.submit(j)
+    engine.start()
+    for _ in jobs:
+        assert done.acquire(timeout=30)
+    engine.close()
+    assert order == [0, 1] * 4 + [2, 3] * 4
+    assert [(f.tokens, f.reason) for f in engine.finished] == [(4, "length")] * 4 + [(0, "cancelled")]
+
+
+def test_served_models_come_from_the_adapters_record_or_a_quantized_folder(tiny_dir, adapters, tmp_path):
+    served = load_served(ServeConfig(adapter=[str(adapters["poet"])], device="cpu"))  # no --model: the recorded one
+    assert served.root == str(tiny_dir) and served.base_name == tiny_dir.name and list(served.adapters) == ["poet"]
+
+    pytest.importorskip("torchao", reason="a quantized folder needs the ship extra")
+    from tunesmith.models import load_model
+    from tunesmith.quantformat import save_quantized
+    from tunesmith.quantize import quantize_model
+
+    model, tokenizer = load_model(str(tiny_dir))
+    quantize_model(model, "int8", 32)
+    folder = save_quantized(model, tokenizer, tmp_path / "q8", {"scheme": "int8"})
+    served = load_served(ServeConfig(model=str(folder), device="cpu"))
+    with running(build_app(served, Engine(served.model, served.tokenizer))) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        r = client.completions.create(model="q8", prompt="ROMEO:", temperature=0, max_tokens=8)
+    assert r.choices[0].text == generated(folder, None, "ROMEO:", False, 8)
+
+
 # ------------------------------------------------------------------------------------------------ bad requests
 
 
@@ -251,3 +298,49 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny_dir, adapters):
     assert r.choices[0].text is not None and waited < 2.0  # 5 tokens at 20 ms; 400 would take 8 s
     first = engine.finished[0]
     assert first.reason == "cancelled" and first.tokens < 100
+
+
+# ------------------------------------------------------------------------------------------------ the verb
+
+
+def test_the_serve_verb_runs_as_a_process_and_shuts_down_on_sigterm(tiny_dir, adapters, tmp_path):
+    """`tunesmith serve --port 0` prints its address; the base and an adapter (a bare path, named after its folder)
+    answer there; SIGTERM shuts it down cleanly, then ends it as the signal does (a shell shows 143)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in sys.path if p])}
+    proc = subprocess.Popen([sys.executable, "-m", "tunesmith.cli", "serve", "--model", str(tiny_dir), "--adapter",
+                             str(adapters["poet"]), "--port", "0", "--device", "cpu", "--served-model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving tiny, poet at http://127.0.0.1:"), (line, proc.stderr.read())
+        url = line.split(" at ")[1].split()[0]
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["tiny", "poet"]
+        r = client.completions.create(model="poet", prompt="ROMEO:", temperature=0, max_tokens=6)
+        assert r.choices[0].text == generated(tiny_dir, adapters["poet"], "ROMEO:", False, 6)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM and "Application shutdown complete" in err, err
+
+
+def test_without_the_serve_extra_the_error_names_it(monkeypatch, capsys):
+    from tunesmith.cli import main
+
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # import uvicorn now raises ImportError
+    assert main(["serve", "--port", "0"]) == 2
+    assert "pip install 'tunesmith[serve]'" in capsys.readouterr().err
+
+
+def test_serve_flags_are_checked_before_anything_loads(capsys):
+    from tunesmith.cli import main
+
+    assert main(["serve", "--adapter", "a=x", "--adapter", "a=y"]) == 2
+    assert "the name a is given to more than one adapter" in capsys.readouterr().err
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be in [0, 65535], got 70000" in capsys.readouterr().err

@@ -311,6 +311,10 @@ class ServeConfig(Config):
     trust_remote_code: bool = same_as(ModelConfig, "trust_remote_code")
 
     def check(self) -> None:
+        try:  # a config built in Python gets its adapters read as a flag's are (idempotent on NAME=PATH)
+            self.adapter = named_adapters_value(self.adapter)
+        except ValueError as e:
+            raise TunesmithError(f"--adapter {e}") from None
         names = [a.partition("=")[0] for a in self.adapter]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:

@@ -90,7 +90,7 @@ def load_served(cfg: ServeConfig):
     """The model (with every adapter loaded beside the others, over one copy of the base) and its names."""
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
     from tunesmith.lora import base_model_for, load_adapter, recorded_quantization
-    from tunesmith.models import BUILTIN_MODELS, load_model
+    from tunesmith.models import BUILTIN_MODELS, context_length, load_model
     from tunesmith.serve.engine import Served
 
     adapters = dict(a.split("=", 1) for a in cfg.adapter)
@@ -115,13 +115,3 @@ def load_served(cfg: ServeConfig):
     print(f"tunesmith serve: {spec} on {device}" + (f" with adapters {', '.join(adapters)}" if adapters else ""),
           file=sys.stderr)
     return Served(model, tokenizer, base_name, spec, adapters, context_length(model, tokenizer))
-
-
-def context_length(model, tokenizer) -> int:
-    """The longest prompt + answer the model takes: its position table, else what the tokenizer says."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for value in (getattr(text, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)):
-        if isinstance(value, int) and 0 < value < 10**7:
-            return value
-    return 2048
