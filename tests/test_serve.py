@@ -139,15 +139,17 @@ def test_without_max_tokens_the_server_default_applies(client):
     assert r.usage.completion_tokens == 24 or r.choices[0].finish_reason == "stop"
 
 
-def test_eight_clients_at_once_are_all_answered_as_each_would_be_alone(client, server):
+def test_eight_clients_at_once_are_all_answered_as_each_would_be_alone(client, tiny_dir):
+    """The base and both adapters interleaved token by token: each answer is still the one it gets alone."""
     prompts = [f"Speaker {i}:" for i in range(8)]
-    alone = [client.completions.create(model="poet" if i % 2 else "clerk", prompt=p, temperature=0,
-                                       max_tokens=10).choices[0].text for i, p in enumerate(prompts)]
+    models = [[tiny_dir.name, "poet", "clerk"][i % 3] for i in range(8)]
+    alone = [client.completions.create(model=m, prompt=p, temperature=0, max_tokens=10).choices[0].text
+             for m, p in zip(models, prompts, strict=True)]
     answers = [None] * 8
 
     def ask(i):
-        stream = client.completions.create(model="poet" if i % 2 else "clerk", prompt=prompts[i], temperature=0,
-                                           max_tokens=10, stream=True)
+        stream = client.completions.create(model=models[i], prompt=prompts[i], temperature=0, max_tokens=10,
+                                           stream=True)
         answers[i] = "".join(c.choices[0].text for c in stream)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
@@ -225,6 +227,9 @@ def test_malformed_json_is_a_400_with_an_openai_error_body(server):
     assert "JSON" in body["error"]["message"]
     status, body = raw(server[0], "/completions", b'["not", "an", "object"]')
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = raw(server[0], "/completions", json.dumps({"model": "poet", "prompt": "ROMEO:", "max_tokens": 3,
+                                                              "temperature": 0}).encode())
+    assert status == 200 and body["usage"]["completion_tokens"] == 3  # and the server goes on answering
 
 
 BAD = [
@@ -344,6 +349,19 @@ def test_serve_flags_are_checked_before_anything_loads(capsys):
     assert "the name a is given to more than one adapter" in capsys.readouterr().err
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port must be in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_adapters_come_as_flags_or_as_a_yaml_list_or_mapping(tmp_path):
+    from tunesmith import config as C
+
+    (tmp_path / "runs" / "poet" / "adapter").mkdir(parents=True)
+    (tmp_path / "runs" / "poet" / "adapter" / "adapter_config.json").write_text("{}")
+    run = str(tmp_path / "runs" / "poet")
+    expected = [f"poet={run}/adapter", "b=/x/b"]
+    assert ServeConfig(adapter=[run, "b=/x/b"]).adapter == expected  # a run folder: named after it, its adapter/
+    for text in (f"adapter:\n  - {run}\n  - b=/x/b\n", f"adapter:\n  poet: {run}\n  b: /x/b\n"):
+        (tmp_path / "serve.yaml").write_text(text)
+        assert C.build_config(ServeConfig, tmp_path / "serve.yaml").adapter == expected
 
 
 @pytest.mark.slow

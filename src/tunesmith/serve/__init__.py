@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,11 +85,12 @@ def running(app, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
         thread.join()
 
 
-def load_served(cfg: ServeConfig):
+def load_served(cfg: ServeConfig, progress: bool = True):
     """The model (with every adapter loaded beside the others, over one copy of the base) and its names."""
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
     from tunesmith.lora import base_model_for, load_adapter, recorded_quantization
     from tunesmith.models import BUILTIN_MODELS, context_length, load_model
+    from tunesmith.progress import status
     from tunesmith.serve.engine import Served
 
     adapters = dict(a.split("=", 1) for a in cfg.adapter)
@@ -112,6 +112,5 @@ def load_served(cfg: ServeConfig):
     if base_name in adapters:
         raise TunesmithError(f"--adapter {base_name}: the base model is served under that name; name the adapter "
                              "otherwise (NAME=PATH) or pass --served-model-name")
-    print(f"tunesmith serve: {spec} on {device}" + (f" with adapters {', '.join(adapters)}" if adapters else ""),
-          file=sys.stderr)
+    status(f"loaded {spec} on {device}" + (f" with adapters {', '.join(adapters)}" if adapters else ""), progress)
     return Served(model, tokenizer, base_name, spec, adapters, context_length(model, tokenizer))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import secrets
@@ -180,6 +181,10 @@ def build_app(served: Served, engine: Engine, api_key: str = "", default_max_tok
         yield
         engine.close()
 
+    # Requests are encoded on the event loop's thread while the worker decodes on its own; a fast tokenizer used by
+    # two threads at once can fail with "Already borrowed" (it borrows itself mutably to set truncation and
+    # padding), so each side has its own copy.
+    tokenizer = copy.deepcopy(served.tokenizer)
     app = FastAPI(title="tunesmith", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
@@ -209,10 +214,10 @@ def build_app(served: Served, engine: Engine, api_key: str = "", default_max_tok
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         adapter = _adapter(served, body.model)
-        if not getattr(served.tokenizer, "chat_template", None):
+        if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, f"{body.model} has no chat template; use /v1/completions", "messages")
         try:
-            ids = encode_messages(served.tokenizer, [_message(m) for m in body.messages])
+            ids = encode_messages(tokenizer, [_message(m) for m in body.messages])
         except TunesmithError as e:
             raise ApiError(400, str(e), "messages") from None
         job = _job(served, body, adapter, ids, body.max_completion_tokens or body.max_tokens, default_max_tokens)
@@ -226,7 +231,7 @@ def build_app(served: Served, engine: Engine, api_key: str = "", default_max_tok
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         adapter = _adapter(served, body.model)
-        ids = _prompt_ids(served.tokenizer, body.prompt)
+        ids = _prompt_ids(tokenizer, body.prompt)
         job = _job(served, body, adapter, ids, body.max_tokens, default_max_tokens)
         meta = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=body.model)
         if body.stream:
