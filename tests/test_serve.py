@@ -394,3 +394,13 @@ def test_eight_streaming_clients_on_the_real_smollm2_all_get_whole_answers():
     assert all(a is not None and a[0] and a[1] in ("stop", "length") for a in answers), answers
     for i in (0, 5):
         assert answers[i][0] == generate(served.model, served.tokenizer, prompts[i], max_tokens=12, chat=True)
+
+
+def test_a_port_in_use_is_one_clear_error():
+    from tunesmith.errors import TunesmithError
+    from tunesmith.serve import listen
+
+    taken = listen("127.0.0.1", 0)
+    with pytest.raises(TunesmithError, match=r"cannot listen on 127\.0\.0\.1:\d+ .*pick another --port"):
+        listen("127.0.0.1", taken.getsockname()[1])
+    taken.close()

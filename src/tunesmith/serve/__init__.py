@@ -27,20 +27,20 @@ def require_extra() -> None:
             raise missing_extra(package, "serve", "tunesmith serve") from None
 
 
-def serve(cfg: ServeConfig, announce=print) -> None:
+def serve(cfg: ServeConfig) -> None:
     """Load the model and its adapters, then answer requests until Ctrl-C (or SIGTERM)."""
     require_extra()
     from tunesmith.serve.api import build_app
     from tunesmith.serve.engine import Engine
 
+    sock = listen(cfg.host, cfg.port)  # a port in use fails now, not after the model loads
     served = load_served(cfg)
     app = build_app(served, Engine(served.model, served.tokenizer, cfg.parallel), cfg.api_key, cfg.max_tokens)
-    sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     names = ", ".join([served.base_name, *served.adapters])
-    announce(f"serving {names} at http://{shown}:{port}/v1 (OpenAI API; context {served.context_length} tokens"
-             f"{'; bearer token required' if cfg.api_key else ''}); Ctrl-C stops", flush=True)
+    print(f"serving {names} at http://{shown}:{port}/v1 (OpenAI API; context {served.context_length} tokens"
+          f"{'; bearer token required' if cfg.api_key else ''}); Ctrl-C stops", flush=True)
     _server(app, sock, log_level="info").run(sockets=[sock])
 
 
