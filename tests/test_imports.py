@@ -14,7 +14,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "tunesmith"
 STAGES = ("quantize", "checkpoint", "train", "export", "report", "evaluate", "generate", "merge", "pipeline",
-          "compare", "parity", "pte_runtime", "cli")
+          "compare", "parity", "pte_runtime", "serve", "chat", "cli")
 FOUNDATIONS = ("models", "data", "lora")
 
 

@@ -62,7 +62,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
             kw["action"] = argparse.BooleanOptionalAction
         else:  # converted and checked as it is read: a bad value stops here, before anything loads
             kw["type"] = functools.partial(C.parse_value, f, hint, name=names[0])
-        for extra in ("choices", "metavar", "nargs", "const"):  # nargs="?" + const: a flag with an optional value
+        for extra in ("choices", "metavar", "nargs", "const", "action"):  # nargs="?" + const: an optional value;
+            # action="extend": a flag given once per item, each converted to a list
             if extra in f.metadata:
                 kw[extra] = f.metadata[extra]
         parser.add_argument(*names, **kw)
@@ -160,6 +161,18 @@ def _compare(cfg):
 
     compare(cfg)
 
+def _serve(cfg):
+    from tunesmith.serve import serve
+
+    serve(cfg)
+
+
+def _chat(cfg):
+    from tunesmith.chat import chat
+
+    chat(cfg)
+
+
 def _demo(cfg):
     from tunesmith.pipeline import demo
 
@@ -178,6 +191,9 @@ VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, MLX or Core ML"),
     "run": (C.RunConfig, _run, "generate from a .pte with the ExecuTorch runtime, streaming, with tokens/s"),
     "compare": (C.CompareConfig, _compare, "the quality ladder: base, LoRA, merged, int8, int4, .pte on the same text"),
+    "serve": (C.ServeConfig, _serve, "an OpenAI-compatible HTTP server for a model and its adapters (needs "
+              "tunesmith[serve])"),
+    "chat": (C.ChatConfig, _chat, "talk to a model (+ adapter) in the terminal: streamed answers, /reset, /quit"),
     "demo": (C.DemoConfig, _demo, "the whole workflow on the built-in model and Shakespeare"),
 }
 

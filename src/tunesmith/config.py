@@ -137,6 +137,30 @@ def adapter_value(value: str | None) -> str | None:
     return value
 
 
+def named_adapters_value(value: str | list[str] | dict[str, str]) -> list[str]:
+    """Served adapters as NAME=PATH (a bare PATH is named after its folder: the run folder's name for a run folder);
+    from a flag (one each time it is given), a YAML list, or a YAML mapping of name: path."""
+    if isinstance(value, dict):
+        value = [f"{k}={v}" for k, v in value.items()]
+    elif isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"must be NAME=PATH (or a list of them), got {value!r}")
+    out = []
+    for spec in value:
+        name, sep, path = spec.partition("=")
+        if not sep or "/" in name:  # a bare path (which may itself hold '=' after a '/')
+            name, path = "", spec
+        path = path.strip()
+        if not path:
+            raise ValueError(f"must be NAME=PATH or an adapter folder, got {spec!r}")
+        name = name.strip() or Path(path.rstrip("/")).name
+        if not name or any(c.isspace() for c in name):
+            raise ValueError(f"needs a name without spaces, got {spec!r}; write NAME=PATH")
+        out.append(f"{name}={adapter_value(path)}")
+    return out
+
+
 class Config:
     """What every stage config shares: its values are checked when it is built, however it is built."""
 
@@ -270,6 +294,55 @@ class GenerateConfig(ModelConfig):
     def check(self) -> None:
         if self.system is not None and not self.chat:
             raise TunesmithError("--system is a message of the chat template; add --chat")
+
+
+@dataclass
+class ServeConfig(Config):
+    """`tunesmith serve`: an OpenAI-compatible HTTP server for a model and any number of adapters over it."""
+
+    model: str = adapter_base_model()
+    adapter: list[str] = opt(
+        [], "an adapter to serve beside the base, as NAME=PATH (a bare PATH is named after its folder); give it once "
+        "per adapter. A request's model field picks the base or an adapter by name", type=named_adapters_value,
+        metavar="NAME=PATH", action="extend")
+    served_model_name: str = opt("", "the name requests use for the base model (default: the alias, the folder's "
+                                 "name or the hub id)")
+    host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 exposes the server to the network: add --api-key)")
+    port: int = opt(8000, "port to listen on (0: any free one; the address is printed)", bounds=Bounds(0, 65535))
+    api_key: str = opt("", "require this bearer token (Authorization: Bearer KEY) on every request (empty: none)")
+    max_tokens: int = opt(512, "tokens an answer may have when the request gives no max_tokens (never past the "
+                          "context)", bounds=AT_LEAST_1)
+    parallel: int = opt(8, "requests generated at once, a token each in turn; later ones wait in a first-come, "
+                        "first-served queue", bounds=AT_LEAST_1)
+    device: str = same_as(ModelConfig, "device")
+    precision: str = same_as(ModelConfig, "precision")
+    trust_remote_code: bool = same_as(ModelConfig, "trust_remote_code")
+
+    def check(self) -> None:
+        try:  # a config built in Python gets its adapters read as a flag's are (idempotent on NAME=PATH)
+            self.adapter = named_adapters_value(self.adapter)
+        except ValueError as e:
+            raise TunesmithError(f"--adapter {e}") from None
+        names = [a.partition("=")[0] for a in self.adapter]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise TunesmithError(f"--adapter: the name {', '.join(twice)} is given to more than one adapter; name "
+                                 "each one: --adapter NAME=PATH")
+        if self.served_model_name and self.served_model_name in names:
+            raise TunesmithError(f"--served-model-name {self.served_model_name} is also an adapter's name; pick "
+                                 "another")
+
+
+@dataclass
+class ChatConfig(ModelConfig):
+    """`tunesmith chat`: talk to a model (+ adapter) in the terminal, through its chat template."""
+
+    model: str = adapter_base_model()
+    adapter: str | None = same_as(GenerateConfig, "adapter")
+    system: str | None = opt(None, "a system message at the start of the conversation (and after /reset)")
+    max_tokens: int = same_as(GenerateConfig, "max_tokens", default=512, help="tokens per answer at most")
+    temperature: float = same_as(GenerateConfig, "temperature")
+    top_p: float = same_as(GenerateConfig, "top_p")
 
 
 @dataclass

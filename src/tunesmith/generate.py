@@ -51,15 +51,21 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, system: str | None
         if system is not None:
             raise TunesmithError("--system is a message of the chat template; add --chat")
         return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    return encode_messages(tokenizer, messages)
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation's token ids through the model's own chat template, ready for the assistant's answer."""
     if not getattr(tokenizer, "chat_template", None):
         raise TunesmithError("--chat needs a tokenizer with a chat template; this model has none")
     from jinja2 import TemplateError
 
-    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
-        {"role": "user", "content": prompt}
-    ]
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False))
     except TemplateError as e:  # e.g. a template without a system role
         raise TunesmithError(f"this model's chat template refused the messages: {e}") from None
 
@@ -87,13 +93,17 @@ def decode(
     top_p: float = 1.0,
     seed: int = 0,
     peak_memory: Callable[[], int] = lambda: 0,
+    stop: Iterable[str] = (),
 ) -> Iterator[GenerationResponse]:
-    """The decode loop: prefill the prompt, then sample one token at a time until a stop token or max_tokens,
-    yielding one GenerationResponse per token."""
+    """The decode loop: prefill the prompt, then sample one token at a time until a stop token, a `stop` string or
+    max_tokens, yielding one GenerationResponse per token.
+
+    A `stop` string ends the text before it (it is not part of the text); text that may be the start of one is held
+    back until the next tokens say whether it is."""
     check_values(GenerateConfig, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     if not prompt_ids:
         raise TunesmithError("the prompt is empty")
-    stop = set(stop_ids)
+    stop_tokens, stop_strings = set(stop_ids), [s for s in stop if s]
     generator = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     logits = next_logits(prompt_ids, 0)
@@ -104,10 +114,16 @@ def decode(
     for n in range(1, max_tokens + 1):
         token = sample_next(logits, temperature, top_p, generator)
         generated.append(token)
-        finished = token in stop
+        finished = token in stop_tokens
         reason = "stop" if finished else ("length" if n == max_tokens else None)
         text = tokenizer.decode(generated[:-1] if finished else generated, skip_special_tokens=True)
-        # Hold back a trailing partial character (U+FFFD) until its next bytes arrive, except at the end.
+        cut = _stop_at(text, stop_strings, len(text_so_far))
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        # Hold back a trailing partial character (U+FFFD) until its next bytes arrive, and the start of a stop
+        # string until it is whole or broken, except at the end.
+        if not reason:
+            text = text[: len(text) - _held_back(text, stop_strings)]
         if reason or not text.endswith("\ufffd"):
             delta, text_so_far = text[len(text_so_far) :], text
         else:
@@ -125,6 +141,18 @@ def decode(
         if reason:
             return
         logits = next_logits([token], len(prompt_ids) + n - 1)
+
+
+def _stop_at(text: str, stop: list[str], emitted: int) -> int | None:
+    """Where the first stop string in `text` begins (looking only where it could not have been streamed yet)."""
+    longest = max((len(s) for s in stop), default=0)
+    hits = [i for s in stop if (i := text.find(s, max(0, emitted - longest + 1))) >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """The length of the longest end of `text` that begins a stop string."""
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 def eager_next_logits(model: torch.nn.Module) -> NextLogits:
@@ -151,13 +179,28 @@ def stream_generate(
     seed: int = 0,
     chat: bool = False,
     system: str | None = None,
+    stop: Iterable[str] = (),
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per generated token of an eager model."""
+    ids = encode_prompt(tokenizer, prompt, chat, system)
+    yield from stream_tokens(model, tokenizer, ids, max_tokens, temperature, top_p, seed, stop)
+
+
+def stream_tokens(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt_ids: list[int],
+    max_tokens: int = 100,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: Iterable[str] = (),
+) -> Iterator[GenerationResponse]:
+    """stream_generate from prompt token ids (a whole conversation through encode_messages, say)."""
     model.eval()
     device = next(model.parameters()).device
-    ids = encode_prompt(tokenizer, prompt, chat, system)
-    yield from decode(eager_next_logits(model), tokenizer, ids, _stop_ids(tokenizer, model), max_tokens, temperature,
-                      top_p, seed, lambda: peak_memory_bytes(device))
+    yield from decode(eager_next_logits(model), tokenizer, prompt_ids, stop_token_ids(tokenizer, model), max_tokens,
+                      temperature, top_p, seed, lambda: peak_memory_bytes(device), stop)
 
 
 def generate(model, tokenizer, prompt: str, **kwargs) -> str:
@@ -165,7 +208,8 @@ def generate(model, tokenizer, prompt: str, **kwargs) -> str:
     return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))
 
 
-def _stop_ids(tokenizer, model) -> set[int]:
+def stop_token_ids(tokenizer, model) -> set[int]:
+    """The end-of-sequence ids of the tokenizer and of the model's generation config."""
     ids = set()
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if isinstance(source, int):

@@ -148,13 +148,20 @@ def check_adapter_folder(path: str | Path) -> Path:
     return p
 
 
-def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = False, base: str | None = None):
-    """Apply a saved PEFT adapter to `model` (safetensors only); `base` names the model for the error message."""
+def load_adapter(model: torch.nn.Module, path: str | Path, trainable: bool = False, base: str | None = None,
+                 name: str = "default"):
+    """Apply a saved PEFT adapter to `model` (safetensors only); `base` names the model for the error message.
+
+    On a model that already holds adapters (a PeftModel), the adapter is added beside them as `name`, sharing the
+    one copy of the base weights; `model.set_adapter(name)` makes it the active one."""
     from peft import PeftModel
 
     folder = check_adapter_folder(path)
     try:
-        return PeftModel.from_pretrained(model, folder, is_trainable=trainable)
+        if isinstance(model, PeftModel):
+            model.load_adapter(folder, adapter_name=name, is_trainable=trainable)
+            return model
+        return PeftModel.from_pretrained(model, folder, adapter_name=name, is_trainable=trainable)
     except (ValueError, RuntimeError, KeyError) as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         detail = next((line for line in lines if line.startswith("size mismatch")), lines[0])

