@@ -316,29 +316,28 @@ def verify(path: str | Path) -> Checkpoint:
 
 
 def restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, planned_total: int, lr: float,
-            weight_decay: float, sharded: bool = False) -> TrainState:
+            weight_decay: float, load_optimizer: Callable[[dict], None] | None = None) -> TrainState:
     """Load a verified checkpoint into the live objects; returns the loop's state. The RNGs are separate
-    (restore_rng), to be set right before the loop. `sharded` (FSDP2): the weights were restored before sharding
-    (_restore_weights), and the optimizer's full state is split over the processes here."""
+    (restore_rng), to be set right before the loop. `load_optimizer` (FSDP2): the weights were restored before
+    sharding (_restore_weights), and it splits the optimizer's full state over the processes."""
     try:
-        return _restore(ckpt, model, optimizer, scheduler, scaler, schedule, planned_total, lr, weight_decay, sharded)
+        return _restore(ckpt, model, optimizer, scheduler, scaler, schedule, planned_total, lr, weight_decay,
+                        load_optimizer)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a state.json this tunesmith did not write
         raise TunesmithError(f"checkpoint {ckpt.path}: {STATE} is malformed ({type(e).__name__}: {e})") from None
 
 
 def _restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, planned_total: int, lr: float,
-             weight_decay: float, sharded: bool = False) -> TrainState:
+             weight_decay: float, load_optimizer: Callable[[dict], None] | None = None) -> TrainState:
     s = ckpt.state
-    if not sharded:
+    if load_optimizer is None:
         _restore_weights(ckpt, model)
     inner_opt = getattr(optimizer, "optimizer", optimizer)
     live = {"param_groups": inner_opt.param_groups}
     opt_state = _optimizer_state(read_safetensors(ckpt.path / OPTIMIZER), s["optimizer"], live)
     try:
-        if sharded:
-            from tunesmith.distributed import load_full_optimizer_state
-
-            load_full_optimizer_state(model, optimizer, opt_state)
+        if load_optimizer is not None:
+            load_optimizer(opt_state)
         else:
             optimizer.load_state_dict(opt_state)
     except (ValueError, KeyError) as e:

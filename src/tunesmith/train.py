@@ -62,6 +62,7 @@ from tunesmith.distributed import (
     is_dist_failure,
     is_sharded,
     launched,
+    load_full_optimizer_state,
 )
 from tunesmith.errors import Interrupted, TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
@@ -373,8 +374,10 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if main:
         save_config(cfg, run_dir / "config.yaml")
     if ckpt:
-        state = restore(ckpt, accelerator.unwrap_model(model), optimizer, scheduler, accelerator.scaler, schedule,
-                        total, cfg.lr, cfg.weight_decay, sharded=fsdp)
+        unwrapped = accelerator.unwrap_model(model)
+        state = restore(ckpt, unwrapped, optimizer, scheduler, accelerator.scaler, schedule, total, cfg.lr,
+                        cfg.weight_decay, (lambda sd: load_full_optimizer_state(unwrapped, optimizer, sd)) if fsdp
+                        else None)
     else:
         state = TrainState(schedule_total=total, planned_total=total)
     if earlier and main:  # --overwrite, once set-up has worked: nothing of the earlier run may pass for this one's
