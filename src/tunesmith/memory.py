@@ -565,6 +565,8 @@ def mode_table(shape: ModelShape, s: TrainSetup, budget: int) -> list[ModeFit]:
 
     rows = []
     for mode, knobs in MODES.items():
+        if s.world > 1 and s.strategy == "fsdp" and knobs.get("quantize_base", "none") != "none":
+            continue  # a quantized base is not sharded (train refuses it under FSDP2)
         for ckpt in (False, True):
             m = replace(s, **knobs, gradient_checkpointing=ckpt, batch_size=1)
             best = largest_batch(shape, m, budget)
