@@ -160,7 +160,8 @@ def test_a_killed_process_stops_the_run_cleanly_and_it_resumes(tmp_path, corpus,
     _, err = proc.communicate(timeout=120)
     assert time.monotonic() - killed_at < 90, "the other process was left hanging"
     assert proc.returncode != 0
-    assert "process 1 (killed by SIGKILL)" in err and "--resume" in err, err[-3000:]
+    assert "process 1 (killed by SIGKILL) of the 2-process run failed; the launcher stopped the other (0)" in err
+    assert "--resume" in err, err[-3000:]
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                    for p in psutil.Process().children(recursive=True) if "tunesmith.cli" in " ".join(p.cmdline()))
 

@@ -76,20 +76,25 @@ def launch(cfg, write_config) -> None:
 
 
 def failure_message(failures: dict, n: int, run_dir: Path) -> str:
-    """One line for the launcher's failures (rank -> ProcessFailure): which process ended how, first one first;
-    the others were stopped; where the run can continue from."""
+    """One line for the launcher's failures (rank -> ProcessFailure): which process ended how; those the launcher
+    itself stopped (SIGTERM) named apart; where the run can continue from."""
     from tunesmith.checkpoint import complete_checkpoints
 
-    parts = []
-    for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0])):
-        code = f.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
-            f"exit code {code}"
-        parts.append(f"process {rank} ({how})")
+    def how(code: int) -> str:
+        if code < 0 and -code in signal.valid_signals():
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
+    first = sorted(set(failures) - stopped) or sorted(failures)  # all SIGTERM: a stop from outside
+    parts = ", ".join(f"process {r} ({how(failures[r].exitcode)})" for r in first)
+    others = sorted(set(range(n)) - set(first))
     done = complete_checkpoints(run_dir / "checkpoints")
     after = (f"the newest checkpoint, {done[0][1]}, is intact: run the same command with --resume to continue"
              if done else "no checkpoint was saved yet: run the same command again")
-    return f"{', '.join(parts)} of the {n}-process run failed; the launcher stopped the others; {after}"
+    stop = f"; the launcher stopped the other{'s' if len(others) > 1 else ''} ({', '.join(map(str, others))})" \
+        if others else ""
+    return f"{parts} of the {n}-process run failed{stop}; {after}"
 
 
 # ------------------------------------------------------------------------------------------------ in the loop

@@ -669,7 +669,7 @@ def _delete(path: Path) -> None:
 def _peer_lost(e: BaseException, run: Run, cfg: TrainConfig) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     done = run.saver.complete()
-    kept = f"the newest checkpoint, {done[0][1]}, is intact" if done else "no checkpoint was saved yet"
+    kept = f"The newest checkpoint, {done[0][1]}, is intact" if done else "No checkpoint was saved yet"
     return (f"process {run.accelerator.process_index} of {run.accelerator.num_processes}: another process stopped, "
             f"or did not answer within --dist-timeout {cfg.dist_timeout:g}s ({first[:200]}); stopping too. {kept}: "
             "run the same command with --resume to continue")
