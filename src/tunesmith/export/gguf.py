@@ -1,12 +1,14 @@
-"""HF folder -> one llama.cpp GGUF file (f32, f16, q8_0, q4_1, q4_0, q4_0_mixed) with tokenizer and chat template.
+"""HF folder -> one llama.cpp GGUF file (f32, f16, q8_0, q4_1, q4_0, q4_0_mixed, and the k-quants q4_k_m, q4_k_s,
+q5_k_m, q6_k) with tokenizer and chat template.
 
 Supported: the Llama family (model_type "llama": SmolLM, SmolLM2, Llama 3.0 and other models with default or
 linear rope) with a byte-level BPE tokenizer ("gpt2" in GGUF terms). Tensor names come from the gguf package's own
 HF -> GGUF map. With calibration token blocks, q8_0 / q4_0 / q4_0_mixed choose the decoder layers' weights by GPTQ
 on llama.cpp's own block grids (gptq.Q8_0 / gptq.Q4_0) and write those codes and fp16 scales as ggml blocks; without,
 every q block comes from the gguf package's reference quantizers (round to nearest), so the file is what llama.cpp's
-convert_hf_to_gguf.py + llama-quantize would write for the same weights, but for the 4-bit types' output head
-(q8_0 here, q6_K there). Anything else is a TunesmithError that says what is unsupported.
+convert_hf_to_gguf.py + llama-quantize would write for the same weights, but for the legacy 4-bit types' output
+head (q8_0 here, q6_K there). The k-quant file types take llama-quantize's own per-tensor types and its reference
+quantizers (kquant.py). Anything else is a TunesmithError that says what is unsupported.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from tunesmith.errors import TunesmithError
+from tunesmith.export import kquant
 
-QUANTS = ("f32", "f16", "q8_0", "q4_1", "q4_0", "q4_0_mixed")
+KQUANTS = ("q4_k_m", "q4_k_s", "q5_k_m", "q6_k")  # llama-quantize's file types, per-tensor types as it picks them
+QUANTS = ("f32", "f16", "q8_0", "q4_1", "q4_0", "q4_0_mixed", *KQUANTS)
 ALIASES = {"fp32": "f32", "fp16": "f16"}  # the export verb's precision names
 BLOCK = 32  # q8_0 and q4_0 blocks are fixed at 32 weights; --group-size cannot change that
 METHOD_KEY = "tunesmith.quantization"  # how the q blocks were chosen: "round to nearest" or "gptq ..."
@@ -40,12 +44,12 @@ LLAMA3_SPLIT = (
 
 def check_quant(quant: str, group_size: int | None = BLOCK) -> str:
     """The GGUF type name for `quant` (fp32 -> f32, fp16 -> f16), or an error listing the valid ones."""
-    name = ALIASES.get(quant, quant)
+    name = ALIASES.get(quant, quant.lower())
     if name not in QUANTS:
         raise TunesmithError(f"--quant {quant!r} is not a GGUF type; choose one of {', '.join(QUANTS)}")
     if name.startswith("q") and group_size not in (None, BLOCK):
         raise TunesmithError(
-            f"GGUF {name} uses fixed blocks of {BLOCK} weights; drop --group-size {group_size}"
+            f"GGUF {name} uses fixed blocks of {BLOCK} weights (256 for k-quants); drop --group-size {group_size}"
         )
     return name
 
@@ -82,6 +86,7 @@ def export(
     if calibration and qname in CALIBRATED:
         chosen = gptq_blocks(model_dir, config, qname, calibration, progress)
         method = f"gptq (act-order, static groups, sequential), {len(calibration)} calibration blocks"
+    plan = kquant.tensor_types(_tensor_shapes(model_dir, config), qname) if qname in KQUANTS else None
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
@@ -94,7 +99,7 @@ def export(
             writer.add_string(METHOD_KEY, method)
         _add_tokenizer(writer, model_dir, config.vocab_size)
         with steps(f"{path.name}: {qname} tensors", _tensor_count(model_dir, config), progress) as advance:
-            for name, data, qtype in _tensors(model_dir, config, qname, chosen):
+            for name, data, qtype in _tensors(model_dir, config, qname, chosen, plan):
                 writer.add_tensor(name, data, raw_dtype=qtype)
                 advance()
         writer.write_header_to_file()
@@ -160,6 +165,10 @@ def _add_hparams(writer, config, qname: str, name: str) -> None:
         "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
         "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
         "q4_0_mixed": gguf.LlamaFileType.MOSTLY_Q4_0,
+        "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+        "q4_k_s": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+        "q5_k_m": gguf.LlamaFileType.MOSTLY_Q5_K_M,
+        "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
     }
     head_dim = _head_dim(config)
     rope = _rope(config)
@@ -218,19 +227,31 @@ def _skipped(key: str, config) -> bool:
 
 
 def _tensor_count(model_dir: Path, config) -> int:
+    return len(_tensor_shapes(model_dir, config))
+
+
+def _tensor_shapes(model_dir: Path, config) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, shape) of every tensor the file will hold, in file order, read from the safetensors headers."""
+    import gguf
     from safetensors import safe_open
 
-    count = 0
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    shapes = []
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            count += sum(1 for key in f.keys() if not _skipped(key, config))
-    return count
+            for key in f.keys():
+                if not _skipped(key, config):
+                    name = names.get_name(key, try_suffixes=(".weight", ".bias")) or key
+                    shapes.append((name, tuple(f.get_slice(key).get_shape())))
+    return shapes
 
 
-def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | None = None):
+def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | None = None,
+             plan: dict[str, str] | None = None):
     """(GGUF name, data, GGML type) for every weight, in file order, quantized where the file type says so.
 
-    `chosen` (gptq_blocks): HF weight name -> (GGML type, codes, scales) written as they are, the rest rounded."""
+    `chosen` (gptq_blocks): HF weight name -> (GGML type, codes, scales) written as they are, the rest rounded.
+    `plan` (k-quant file types): GGUF name -> GGML type name, as llama-quantize picks them (kquant.tensor_types)."""
     import gguf
     from safetensors import safe_open
 
@@ -259,6 +280,13 @@ def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | Non
                 data = f.get_tensor(key).float().numpy()
                 if heads:
                     data = _permute(data, heads)
+                if plan is not None:
+                    qtype = gguf.GGMLQuantizationType[plan[name]]
+                    if plan[name] in kquant.FALLBACK:  # the k-quants the gguf package cannot write
+                        yield name, kquant.quantize(data, plan[name]), qtype
+                    else:
+                        yield name, gguf.quants.quantize(data, qtype), qtype
+                    continue
                 qtype = _tensor_type(name, data, qname, config.num_hidden_layers)
                 try:
                     yield name, gguf.quants.quantize(data, qtype), qtype
