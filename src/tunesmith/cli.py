@@ -137,7 +137,12 @@ def _quantize(cfg):
 def _export(cfg):
     from tunesmith.export import export
 
-    print(f"exported {cfg.format} ({cfg.quant}) to {export(cfg)}")
+    path = export(cfg)
+    print(f"exported {cfg.format} ({cfg.quant}) to {path}")
+    if cfg.format == "ollama":
+        from tunesmith.export.ollama import create_command
+
+        print(f"import it into Ollama with: {create_command(path)}")
 
 
 def _run(cfg):

@@ -27,6 +27,7 @@ FORMATS = {
     "gguf": "tunesmith.export.gguf",
     "mlx": "tunesmith.export.mlx",
     "coreml": "tunesmith.export.coreml",
+    "ollama": "tunesmith.export.ollama",
 }
 
 
