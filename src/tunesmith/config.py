@@ -397,6 +397,8 @@ class ExportConfig(Config):
                               aliases=("adapter_path",))
     format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder), coreml (.mlpackage) or ollama "
                       "(a folder: the GGUF and a Modelfile)", choices=["pte", "gguf", "mlx", "coreml", "ollama"])
+    adapter_only: bool = opt(False, "write the --adapter alone, not merged: --format mlx gives mlx-lm's "
+                             "adapters.safetensors + adapter_config.json, --format gguf a llama.cpp LoRA adapter .gguf")
     output: str = opt("", "file or folder to write, e.g. ship/model.pte")
     quant: str = opt("fp32", "weights: pte fp32|8w|8da4w; gguf and ollama f32|f16|q8_0|q4_1|q4_0|"
                              "q4_0_mixed|q4_k_m|q4_k_s|q5_k_m|q6_k; "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -426,3 +427,62 @@ def _add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
         if kind not in special.add_special_token and tid is not None:
             special.add_special_token[kind] = bool(ids) and ids[0 if kind == "bos" else -1] == tid
     special.add_to_gguf(writer, quiet=True)
+
+
+# --------------------------------------------------------------------------------------------- the adapter
+
+
+def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
+    """A PEFT LoRA adapter as a llama.cpp LoRA adapter GGUF (what convert_lora_to_gguf.py writes); returns its path.
+
+    `model_dir` is the base model the adapter was trained on (its hyper-parameters name and permute the tensors).
+    Metadata: general.type "adapter", adapter.type "lora", adapter.lora.alpha. Tensors: `<base tensor>.lora_a`
+    (PEFT's A, [r, in]) and `.lora_b` (B, [out, r]) in f32, e.g. blk.0.attn_q.weight.lora_a; llama.cpp adds
+    alpha / r * B A x. q_proj / k_proj B rows get the base weights' rotary permutation. `output` is the .gguf file,
+    or a folder that receives adapter.gguf. Use it with `llama-cli -m base.gguf --lora adapter.gguf` (or Ollama's
+    ADAPTER).
+    """
+    import gguf
+    from safetensors.torch import load_file
+
+    from tunesmith.export.mlx import check_peft_config
+    from tunesmith.lora import check_adapter_folder
+
+    folder = check_adapter_folder(adapter_dir)
+    peft = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    check_peft_config(peft, folder, "a llama.cpp LoRA adapter")
+    config = _llama_config(Path(model_dir))
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    rank, alpha = int(peft["r"]), float(peft["lora_alpha"])
+    if peft.get("use_rslora"):
+        alpha *= rank**0.5  # llama.cpp scales by alpha / r; rsLoRA meant alpha / sqrt(r)
+    path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / "adapter.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(tmp, SUPPORTED_MODEL_TYPES[config.model_type])
+    try:
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_name(f"{folder.name} (LoRA)")
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+        for key, tensor in sorted(load_file(folder / "adapter_model.safetensors").items()):
+            m = re.match(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$", key)
+            base = m and names.get_name(f"{m['module']}.weight", try_suffixes=(".weight",))
+            if not base:
+                raise TunesmithError(f"{folder}: '{key}' is not a LoRA weight of a llama.cpp tensor")
+            data = tensor.float().numpy()
+            heads = n_head if base.endswith("attn_q.weight") else n_kv if base.endswith("attn_k.weight") else 0
+            if heads and m["ab"] == "B":
+                data = _permute(data, heads)
+            writer.add_tensor(f"{base}.lora_{m['ab'].lower()}", np.ascontiguousarray(data))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    writer.close()
+    os.replace(tmp, path)
+    return path
