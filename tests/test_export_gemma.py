@@ -132,3 +132,45 @@ def test_mlx_fp32_generates_the_same_32_greedy_tokens(gemma_dir, spm_tokenizer, 
             for _ in range(32):
                 seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
         assert got == seq[len(ids):]
+
+
+# ------------------------------------------------------------------------------------------ ExecuTorch (.pte)
+
+
+def test_static_cache_wrapper_equals_hf_for_gemma3(gemma_dir):
+    """Prefill then one token at a time through the wrapper's KV cache == the HF forward (no lowering)."""
+    from tunesmith.export.executorch import StaticCacheLM
+
+    from .test_export_pte import eager_step, prefill_then_decode
+
+    model = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval().requires_grad_(False)
+    x = list(range(5, 45))
+    ref = model(torch.tensor([x])).logits[0]
+    got = prefill_then_decode(eager_step(StaticCacheLM(model, 64)), x, 24)
+    assert (got - ref).abs().max() <= 1e-5
+
+
+def test_fp32_pte_logits_match_eager_within_1e_3(spm_tokenizer, tmp_path):
+    """Lowered to XNNPACK: two layers (sliding-window ones) keep the lowering to seconds; the wrapper test above
+    covers the six-layer pattern with both rope bases."""
+    pytest.importorskip("executorch", reason="needs the ship extra: pip install 'tunesmith[ship]'")
+    from tunesmith.export.executorch import export
+    from tunesmith.pte_runtime import PteModel
+
+    from .test_export_pte import prefill_then_decode
+
+    folder = tmp_path / "gemma2l"
+    make_gemma3(spm_tokenizer, layers=2).save_pretrained(folder)
+    spm_tokenizer.save_pretrained(folder)
+    pte = PteModel(export(folder, tmp_path / "model.pte", "fp32", 32, 64))
+    ids = spm_tokenizer(CORPUS[:200])["input_ids"][:40]
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    got = prefill_then_decode(pte.logits, ids, 24)
+    assert (got - ref.detach()).abs().max() <= 1e-3
+
+
+def test_pte_beyond_the_sliding_window_is_refused(gemma_dir, tmp_path):
+    from tunesmith.export.executorch import export
+
+    with pytest.raises(TunesmithError, match="sliding window 64"):
+        export(gemma_dir, tmp_path / "model.pte", "fp32", 32, 128)
