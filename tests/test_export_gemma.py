@@ -174,3 +174,33 @@ def test_pte_beyond_the_sliding_window_is_refused(gemma_dir, tmp_path):
 
     with pytest.raises(TunesmithError, match="sliding window 64"):
         export(gemma_dir, tmp_path / "model.pte", "fp32", 32, 128)
+
+
+# ------------------------------------------------------------------------------------------------- Core ML
+
+
+def test_coreml_decode_step_equals_hf_and_the_spec_validates(gemma_dir, spm_tokenizer, tmp_path):
+    """The converted wrapper stepped through a sequence with its cache is the HF forward; the saved fp16 package's
+    spec validates (prediction itself needs macOS)."""
+    pytest.importorskip("coremltools", reason="needs the coreml extra: pip install 'tunesmith[coreml]'")
+    from tunesmith.export import coreml as C
+
+    from .test_export_coreml import _step_through
+
+    step = C.load_step(gemma_dir, 32)[0]
+    ids = spm_tokenizer(CORPUS)["input_ids"][:32]
+    model = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_step_through(step, ids), want, atol=1e-5, rtol=1e-5)
+    package = C.export(gemma_dir, tmp_path / "coreml", "fp16", 32, 32)
+    info = C.validate(package, step, "fp16")
+    assert info["spec_version"] >= 9 and info["inputs"]["k_cache"] == (6, 1, 32, 256)
+    assert info["ops"]["softmax"] == 6
+
+
+def test_coreml_beyond_the_sliding_window_is_refused(gemma_dir, tmp_path):
+    from tunesmith.export import coreml as C
+
+    with pytest.raises(TunesmithError, match="sliding window 64"):
+        C.load_step(gemma_dir, 128)
