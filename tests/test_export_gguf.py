@@ -121,7 +121,7 @@ def _blocks(tokenizer, n=16, length=32):
     return [ids[i : i + length] for i in range(0, n * length, length)]
 
 
-@pytest.mark.parametrize("grid,qtype", [(gptq.Q8_0, "Q8_0"), (gptq.Q4_0, "Q4_0")])
+@pytest.mark.parametrize("grid,qtype", [(gptq.Q8_0, "Q8_0"), (gptq.Q4_0, "Q4_0"), (gptq.Q5_0, "Q5_0")])
 def test_packed_blocks_dequantize_to_the_gptq_weights_exactly(grid, qtype):
     torch.manual_seed(0)
     w = torch.randn(48, 128) * torch.linspace(0.01, 1.0, 128)  # blocks of very different ranges

@@ -34,7 +34,7 @@ SUPPORTED_MODEL_TYPES = {"llama": "llama", "gemma3_text": "gemma3"}  # HF model_
 # most of q4_0's perplexity loss (docs/EXPORT.md), the same matrices llama.cpp's Q4_K_M gives more bits.
 MIXED_Q8 = ("attn_v", "ffn_down")
 # The types whose decoder weights GPTQ can choose from calibration data (q4_1 is affine: rounded to nearest).
-CALIBRATED = ("q8_0", "q4_0", "q4_0_mixed")
+CALIBRATED = ("q8_0", "q4_0", "q4_0_mixed", *KQUANTS)  # k-quant files: their Q8_0 / Q5_0 matrices
 
 # llama.cpp picks its pre-tokenizer regex by name; these are the byte-level BPE layouts we can recognise exactly.
 LLAMA3_SPLIT = (
@@ -89,10 +89,12 @@ def export(
 
         status(f"GPTQ calibration covers the Llama family; this {config.model_type} model's {qname} blocks are "
                "rounded to nearest", progress)
-    elif calibration and qname in CALIBRATED:
-        chosen = gptq_blocks(model_dir, config, qname, calibration, progress)
-        method = f"gptq (act-order, static groups, sequential), {len(calibration)} calibration blocks"
     plan = kquant.tensor_types(_tensor_shapes(model_dir, config), qname) if qname in KQUANTS else None
+    if calibration and qname in CALIBRATED and config.model_type == "llama":
+        chosen = gptq_blocks(model_dir, config, qname, calibration, progress, plan)
+        method = f"gptq (act-order, static groups, sequential), {len(calibration)} calibration blocks"
+        if plan is not None:
+            method += "; the k-quant matrices rounded to nearest"
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
@@ -352,11 +354,14 @@ def _tensors(model_dir: Path, config, qname: str, chosen: dict[str, tuple] | Non
 
 
 def gptq_blocks(
-    model_dir: Path, config, qname: str, calibration: Sequence[Sequence[int]], progress: bool = True
+    model_dir: Path, config, qname: str, calibration: Sequence[Sequence[int]], progress: bool = True,
+    plan: dict[str, str] | None = None,
 ) -> dict[str, tuple]:
     """GPTQ over the decoder layers on the grid each matrix gets in a `qname` file (q4_0_mixed: Q8_0 for MIXED_Q8
-    and the last block, Q4_0 for the rest): HF weight name -> (GGML type, int8 codes, fp16 scales [out, in / 32]).
-    The embedding / output head is not in the decoder layers and stays rounded to nearest."""
+    and the last block, Q4_0 for the rest; a k-quant file: its `plan`, where the Q8_0 and Q5_0 matrices get GPTQ
+    and the k-quant ones stay rounded to nearest): HF weight name -> (GGML type, int8 codes, fp16 scales
+    [out, in / 32]). The embedding / output head is not in the decoder layers and stays rounded to nearest.
+    The layers after a rounded k-quant matrix calibrate on its rounded output, as GPTQ's sequential pass does."""
     import gguf
     import torch
 
@@ -364,22 +369,31 @@ def gptq_blocks(
     from tunesmith.models import load_model
 
     T = gguf.GGMLQuantizationType
-    grids = {T.Q8_0: gptq.Q8_0, T.Q4_0: gptq.Q4_0}
+    grids = {T.Q8_0: gptq.Q8_0, T.Q4_0: gptq.Q4_0, T.Q5_0: gptq.Q5_0}
     names = gguf.TensorNameMap(_arch(config), config.num_hidden_layers)
 
-    def plan(module: str, linear: torch.nn.Linear):
+    def grid_of(module: str, linear: torch.nn.Linear):
+        name = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
+        if plan is not None:
+            qtype = T[plan[name]]
+            return (grids[qtype], BLOCK) if qtype in grids else None
         if linear.in_features % BLOCK:
             return None  # written as f16, as the rounding path does
-        qtype = _tensor_type(
-            names.get_name(f"{module}.weight", try_suffixes=(".weight",)),
-            linear.weight,
-            qname,
-            config.num_hidden_layers,
-        )
-        return grids[qtype], BLOCK
+        return grids[_tensor_type(name, linear.weight, qname, config.num_hidden_layers)], BLOCK
+
+    def rounded(module: str, linear: torch.nn.Linear) -> None:
+        """A k-quant matrix, rounded as the file will hold it, so later layers calibrate on what it computes."""
+        name = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
+        w = linear.weight.detach().float().numpy()
+        back = gguf.quants.dequantize(kquant.quantize(w, plan[name]), T[plan[name]]).reshape(w.shape)
+        linear.weight.data.copy_(torch.from_numpy(back))
 
     model, _ = load_model(str(model_dir), "cpu", torch.float32)
-    done = gptq.gptq_decoder_layers(model, calibration, plan, progress=progress)
+    if plan is not None:  # the k-quant matrices round before the pass (q/k row order is the same either way)
+        for module, linear in model.named_modules():
+            if isinstance(linear, torch.nn.Linear) and ".layers." in module and grid_of(module, linear) is None:
+                rounded(module, linear)
+    done = gptq.gptq_decoder_layers(model, calibration, grid_of, progress=progress)
     chosen = {}
     for module, (grid, group, scales, offsets) in done.items():
         deq = model.get_submodule(module).weight.detach()
@@ -393,9 +407,10 @@ def gptq_blocks(
 
 
 def pack_blocks(codes: np.ndarray, scales: np.ndarray, qtype) -> np.ndarray:
-    """ggml Q8_0 / Q4_0 blocks (uint8 [out, in / 32 * block bytes]) from int8 codes [out, in] and fp16 scales
-    [out, in / 32]: each block is its fp16 scale d, then Q8_0's 32 int8 codes or Q4_0's 16 bytes, byte j holding
-    codes j and j + 16 as nibbles (code + 8). gguf.quants.dequantize of the result is exactly scale * code."""
+    """ggml Q8_0 / Q4_0 / Q5_0 blocks (uint8 [out, in / 32 * block bytes]) from int8 codes [out, in] and fp16
+    scales [out, in / 32]: each block is its fp16 scale d, then Q8_0's 32 int8 codes, or Q4_0's 16 bytes, byte j
+    holding codes j and j + 16 as nibbles (code + 8), or Q5_0's 4 bytes of fifth bits and 16 such bytes (code + 16).
+    gguf.quants.dequantize of the result is exactly scale * code."""
     import gguf
 
     out, n = codes.shape
@@ -406,6 +421,11 @@ def pack_blocks(codes: np.ndarray, scales: np.ndarray, qtype) -> np.ndarray:
     elif qtype == gguf.GGMLQuantizationType.Q4_0:
         u = (q.astype(np.int16) + 8).astype(np.uint8)
         qs = u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << 4)
+    elif qtype == gguf.GGMLQuantizationType.Q5_0:  # d, then 32 high bits (bit j: code j + 16 >= 16), then nibbles
+        u = (q.astype(np.int16) + 16).astype(np.uint32)
+        qh = ((u >> 4) << np.arange(BLOCK, dtype=np.uint32)).sum(-1, dtype=np.uint32)[..., None].astype("<u4")
+        low = (u & 0xF).astype(np.uint8)
+        qs = np.concatenate([qh.view(np.uint8), low[..., : BLOCK // 2] | (low[..., BLOCK // 2 :] << 4)], axis=-1)
     else:
         raise ValueError(f"no block packing for {qtype!r}")
     return np.concatenate([d, qs], axis=-1).reshape(out, -1)
