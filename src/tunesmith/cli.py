@@ -174,7 +174,7 @@ VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "fit": (C.FitConfig, _fit, "will it fit? predict training peak memory by part from the model's config alone"),
     "parity": (C.ParityConfig, _parity, "check that the device's logits and greedy output match the CPU's"),
     "quantize": (C.QuantizeConfig, _quantize, "int8 / int4 weight-only copy of a model for eager inference, vs float"),
-    "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, MLX or Core ML"),
+    "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, Ollama, MLX or Core ML (or an adapter alone)"),
     "run": (C.RunConfig, _run, "generate from a .pte with the ExecuTorch runtime, streaming, with tokens/s"),
     "compare": (C.CompareConfig, _compare, "the quality ladder: base, LoRA, merged, int8, int4, .pte on the same text"),
     "demo": (C.DemoConfig, _demo, "the whole workflow on the built-in model and Shakespeare"),

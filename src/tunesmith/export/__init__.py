@@ -9,6 +9,12 @@ writes what the target runtime needs and returns the path of the artifact. A mod
 from data also has `calibrated(quant) -> bool`; for those quants (and --calibration-blocks > 0) its export gets
 `calibration=`, token blocks from the training split of --data. This entry point resolves the model (merging an
 adapter on the fly into a temporary folder), loads that data and picks the module.
+
+With --adapter-only the adapter is written alone, by the module's
+
+    export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path
+
+(gguf: a llama.cpp LoRA adapter; mlx: mlx-lm's adapter folder), `model_dir` being the base model it was trained on.
 """
 
 from __future__ import annotations
