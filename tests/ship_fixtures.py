@@ -7,6 +7,7 @@ perplexity that quantization error visibly moves.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -59,3 +60,50 @@ def make_adapter(model, path: Path, seed: int = 1) -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     peft.save_pretrained(path)
     return path
+
+
+def make_spm_tokenizer():
+    """A tiny tokenizer shaped like Gemma's: SentencePiece BPE (spaces as ▁, byte fallback, <0x00>..<0xFF> pieces),
+    <pad> <eos> <bos> <unk> at ids 0-3, a BOS added in front, trained on CORPUS."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import CORPUS
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=specials, show_progress=False)
+    draft = Tokenizer(models.BPE(unk_token="<unk>"))
+    draft.normalizer = normalizers.Replace(" ", "\u2581")
+    draft.train_from_iterator([CORPUS], trainer)
+    learned = sorted(draft.get_vocab().items(), key=lambda kv: kv[1])
+    pieces = specials + [f"<0x{b:02X}>" for b in range(256)] + [p for p, _ in learned if p not in specials]
+    merges = json.loads(draft.to_str())["model"]["merges"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [tuple(m) if isinstance(m, list) else
+                                                                      tuple(m.split(" ")) for m in merges],
+                               unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens(specials)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def make_gemma3(tokenizer, layers: int = 6, hidden: int = 64, seed: int = 0):
+    """A tiny random Gemma 3 text model: five sliding-window layers then a global one (rope bases 10000 and 1e6),
+    one KV head of 256 (transformers' GGUF reader assumes query_pre_attn_scalar 256), q/k norms, tied embeddings, as
+    Gemma 3 270M is shaped."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=64,
+        max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():  # Gemma's norms scale by 1 + w and start at w = 0: give them something to carry over
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    return model

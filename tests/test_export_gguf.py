@@ -121,7 +121,7 @@ def _blocks(tokenizer, n=16, length=32):
     return [ids[i : i + length] for i in range(0, n * length, length)]
 
 
-@pytest.mark.parametrize("grid,qtype", [(gptq.Q8_0, "Q8_0"), (gptq.Q4_0, "Q4_0")])
+@pytest.mark.parametrize("grid,qtype", [(gptq.Q8_0, "Q8_0"), (gptq.Q4_0, "Q4_0"), (gptq.Q5_0, "Q5_0")])
 def test_packed_blocks_dequantize_to_the_gptq_weights_exactly(grid, qtype):
     torch.manual_seed(0)
     w = torch.randn(48, 128) * torch.linspace(0.01, 1.0, 128)  # blocks of very different ranges
@@ -143,7 +143,7 @@ def test_gptq_file_holds_exactly_the_gptq_weights_on_each_matrix_s_grid(tiny_dir
     back = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     ).state_dict()
-    chosen = G.gptq_blocks(tiny_dir, G._llama_config(tiny_dir), "q4_0_mixed", blocks)
+    chosen = G.gptq_blocks(tiny_dir, G.model_config(tiny_dir), "q4_0_mixed", blocks)
     assert len(chosen) == 2 * 7
     T = gguf.GGMLQuantizationType
     assert chosen["model.layers.0.self_attn.q_proj.weight"][0] == T.Q4_0

@@ -144,7 +144,12 @@ def _quantize(cfg):
 def _export(cfg):
     from tunesmith.export import export
 
-    print(f"exported {cfg.format} ({cfg.quant}) to {export(cfg)}")
+    path = export(cfg)
+    print(f"exported {cfg.format} ({cfg.quant}) to {path}")
+    if cfg.format == "ollama":
+        from tunesmith.export.ollama import create_command
+
+        print(f"import it into Ollama with: {create_command(path)}")
 
 
 def _run(cfg):
@@ -188,7 +193,7 @@ VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "fit": (C.FitConfig, _fit, "will it fit? predict training peak memory by part from the model's config alone"),
     "parity": (C.ParityConfig, _parity, "check that the device's logits and greedy output match the CPU's"),
     "quantize": (C.QuantizeConfig, _quantize, "int8 / int4 weight-only copy of a model for eager inference, vs float"),
-    "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, MLX or Core ML"),
+    "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, Ollama, MLX or Core ML (or an adapter alone)"),
     "run": (C.RunConfig, _run, "generate from a .pte with the ExecuTorch runtime, streaming, with tokens/s"),
     "compare": (C.CompareConfig, _compare, "the quality ladder: base, LoRA, merged, int8, int4, .pte on the same text"),
     "serve": (C.ServeConfig, _serve, "an OpenAI-compatible HTTP server for a model and its adapters (needs "

@@ -478,16 +478,20 @@ class ExportConfig(Config):
                      f"(default: the one --adapter was trained on, else {DEFAULT_MODEL})")
     adapter: str | None = opt(None, adapter_help("to merge on the fly before exporting"), type=adapter_value,
                               aliases=("adapter_path",))
-    format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder) or coreml (.mlpackage)",
-                      choices=["pte", "gguf", "mlx", "coreml"])
+    format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder), coreml (.mlpackage) or ollama "
+                      "(a folder: the GGUF and a Modelfile)", choices=["pte", "gguf", "mlx", "coreml", "ollama"])
+    adapter_only: bool = opt(False, "write the --adapter alone, not merged: --format mlx gives mlx-lm's "
+                             "adapters.safetensors + adapter_config.json, --format gguf a llama.cpp LoRA adapter .gguf")
     output: str = opt("", "file or folder to write, e.g. ship/model.pte")
-    quant: str = opt("fp32", "weights: pte fp32|8w|8da4w; gguf f32|f16|q8_0|q4_1|q4_0|q4_0_mixed; "
+    quant: str = opt("fp32", "weights: pte fp32|8w|8da4w; gguf and ollama f32|f16|q8_0|q4_1|q4_0|"
+                             "q4_0_mixed|q4_k_m|q4_k_s|q5_k_m|q6_k; "
                              "mlx fp32|bf16|fp16|8bit|4bit; coreml fp32|fp16|int8|int4")
     group_size: int = opt(32, "weights per quantization group for the 4-bit schemes", bounds=AT_LEAST_1)
     max_seq_len: int = opt(256, "longest sequence (prompt + generated tokens) the artifact can hold", bounds=Bounds(2))
     calibration_blocks: int = opt(
-        64, "gguf q8_0|q4_0|q4_0_mixed: training blocks of --data that GPTQ calibrates the decoder weights on "
-        "(0: round to nearest, no data); other formats and quants ignore it", bounds=COUNT,
+        64, "gguf/ollama q8_0|q4_0|q4_0_mixed and the k-quants' Q8_0/Q5_0 matrices (Llama family): training blocks "
+        "of --data that GPTQ calibrates the decoder weights on (0: round to nearest, no data, as llama-quantize); "
+        "other formats and quants ignore it", bounds=COUNT,
     )
     data: str = same_as(DataConfig, "data")
     seq_len: int = same_as(DataConfig, "seq_len", aliases=())  # beside --max-seq-len, mlx-lm's name would mislead

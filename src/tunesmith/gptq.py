@@ -9,7 +9,8 @@ A `Grid` says what the weights may be: integer codes in [qmin, qmax] times one s
 - INT4_AFFINE: the same codes and scales plus a float offset per group. XNNPACK has no zero points, so the .pte
   runs the offsets as a small separate product (export/executorch.py); eager adds it after torchao's linear.
 - INT8: per output channel (one group per row), float scales.
-- Q4_0 / Q8_0: llama.cpp's blocks of 32 with float16 scales, for GGUF files.
+- Q4_0 / Q5_0 / Q8_0: llama.cpp's blocks of 32 with float16 scales, for GGUF files (Q5_0: the type llama.cpp's
+  k-quant files fall back to for rows that are not a multiple of 256).
 
 Each group's scale (and offset) is the candidate from `clips` with the least squared error; clip 1.0 is always
 tried, so weights already on a grid (as in a model dequantized from a GGUF) are found exactly.
@@ -50,6 +51,7 @@ INT4_AFFINE = Grid("int4-affine", -8, 7, torch.bfloat16, 7.5, affine=True)
 INT8 = Grid("int8", -127, 127, torch.float32, 127.0, clips=(1.0,))
 Q4_0 = Grid("q4_0", -8, 7, torch.float16, 7.5)
 Q8_0 = Grid("q8_0", -128, 127, torch.float16, 127.0, clips=(1.0,))
+Q5_0 = Grid("q5_0", -16, 15, torch.float16, 15.5)
 
 # QMIN / QMAX of the default grid, for callers that only need XNNPACK's int4 range.
 QMIN, QMAX = INT4.qmin, INT4.qmax

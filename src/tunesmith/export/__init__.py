@@ -9,6 +9,12 @@ writes what the target runtime needs and returns the path of the artifact. A mod
 from data also has `calibrated(quant) -> bool`; for those quants (and --calibration-blocks > 0) its export gets
 `calibration=`, token blocks from the training split of --data. This entry point resolves the model (merging an
 adapter on the fly into a temporary folder), loads that data and picks the module.
+
+With --adapter-only the adapter is written alone, by the module's
+
+    export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path
+
+(gguf: a llama.cpp LoRA adapter; mlx: mlx-lm's adapter folder), `model_dir` being the base model it was trained on.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from pathlib import Path
 
 from tunesmith.errors import TunesmithError
 
+ADAPTER_FORMATS = ("mlx", "gguf")  # the formats with an adapter of their own (export_adapter)
 FORMATS = {
     "pte": "tunesmith.export.executorch",
     "gguf": "tunesmith.export.gguf",
     "mlx": "tunesmith.export.mlx",
     "coreml": "tunesmith.export.coreml",
+    "ollama": "tunesmith.export.ollama",
 }
 
 
@@ -79,12 +87,28 @@ def export(cfg) -> Path:
     if cfg.calibration_blocks < 0:
         raise TunesmithError(f"--calibration-blocks must be 0 (round to nearest) or more, got {cfg.calibration_blocks}")
     module = format_module(cfg.format)
+    if cfg.adapter_only:
+        return export_adapter(cfg, module)
     calibrates = getattr(module, "calibrated", None)
     with model_folder(cfg.model, cfg.adapter) as model_dir:
         kw = {}
         if cfg.calibration_blocks and calibrates is not None and calibrates(cfg.quant):
             kw["calibration"] = calibration(model_dir, cfg)
         return module.export(model_dir, Path(cfg.output), cfg.quant, cfg.group_size, cfg.max_seq_len, **kw)
+
+
+def export_adapter(cfg, module) -> Path:
+    """--adapter-only: the adapter in the format's own adapter form, checked against the base model it was
+    trained on (which is read, not written)."""
+    from tunesmith.lora import base_model_for
+
+    if not cfg.adapter:
+        raise TunesmithError("--adapter-only needs --adapter, the PEFT adapter (or run folder) to write")
+    if cfg.format not in ADAPTER_FORMATS:
+        raise TunesmithError(f"--adapter-only writes {' or '.join(ADAPTER_FORMATS)} adapters; --format {cfg.format} "
+                             "has no adapter form (drop --adapter-only to merge the adapter into the model)")
+    with model_folder(base_model_for(cfg.model, cfg.adapter)) as model_dir:
+        return module.export_adapter(Path(cfg.adapter), Path(cfg.output), model_dir=model_dir)
 
 
 def calibration(model_dir: Path, cfg) -> list[list[int]]:

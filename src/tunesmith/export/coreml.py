@@ -11,7 +11,6 @@ Conversion and spec validation run anywhere coremltools installs; running the mo
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -23,7 +22,7 @@ from tunesmith.errors import TunesmithError, missing_extra
 
 # --quant -> (compute precision, weight compression); int8 is per output channel, int4 per block of group_size
 QUANTS = {"fp32": ("fp32", None), "fp16": ("fp16", None), "int8": ("fp16", "int8"), "int4": ("fp16", "int4")}
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "gemma3_text")
 INPUTS = ("input_ids", "position", "k_cache", "v_cache")
 OUTPUTS = ("logits", "k_new", "v_new")
 MASKED = -3.0e4  # additive mask for empty cache slots; finite so fp16 compute stays NaN-free
@@ -60,9 +59,16 @@ class DecodeStep(torch.nn.Module):
         self.max_seq_len = max_seq_len
         positions = torch.arange(max_seq_len)[None]
         probe = torch.zeros(1, max_seq_len, self.head_dim)
-        cos, sin = model.model.rotary_emb(probe, positions)  # the model's own rope, scaling included
-        self.register_buffer("cos", cos[0].float(), persistent=False)
-        self.register_buffer("sin", sin[0].float(), persistent=False)
+        # Gemma 3: a rope per layer type (sliding base 1e4, global 1e6), q/k normed per head, outputs normed before
+        # each residual add; within max_seq_len <= the sliding window every layer sees every earlier token.
+        self.gemma = config.model_type == "gemma3_text"
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers))
+        self.scaling = [layer.self_attn.scaling for layer in self.layers]
+        for kind in set(self.layer_types):  # the model's own rope, scaling included
+            args = (probe, positions, kind) if self.gemma else (probe, positions)
+            cos, sin = model.model.rotary_emb(*args)
+            self.register_buffer(f"cos_{kind}", cos[0].float(), persistent=False)
+            self.register_buffer(f"sin_{kind}", sin[0].float(), persistent=False)
         self.register_buffer("slots", torch.arange(max_seq_len, dtype=torch.int32), persistent=False)
 
     def cache_shape(self) -> tuple[int, int, int, int]:
@@ -80,8 +86,8 @@ class DecodeStep(torch.nn.Module):
 
     def forward(self, input_ids, position, k_cache, v_cache):
         x = self.embed(input_ids)
-        cos = torch.index_select(self.cos, 0, position)
-        sin = torch.index_select(self.sin, 0, position)
+        ropes = {kind: (torch.index_select(getattr(self, f"cos_{kind}"), 0, position),
+                        torch.index_select(getattr(self, f"sin_{kind}"), 0, position)) for kind in set(self.layer_types)}
         # Slots before `position` are earlier tokens; the rest are empty. The token always sees itself.
         mask = torch.where(self.slots < position, 0.0, MASKED).to(x.dtype)
         mask = torch.cat([mask, torch.zeros(1, dtype=x.dtype)])
@@ -93,13 +99,21 @@ class DecodeStep(torch.nn.Module):
             q = attn.q_proj(h).view(1, 1, self.n_head, self.head_dim).transpose(1, 2)
             k = attn.k_proj(h).view(1, 1, self.n_kv, self.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(1, 1, self.n_kv, self.head_dim).transpose(1, 2)
+            if self.gemma:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            cos, sin = ropes[self.layer_types[i]]
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             keys = torch.cat([k_cache[i : i + 1], k], dim=2).repeat_interleave(group, dim=1)
             values = torch.cat([v_cache[i : i + 1], v], dim=2).repeat_interleave(group, dim=1)
-            scores = q @ keys.transpose(-1, -2) / math.sqrt(self.head_dim) + mask
+            scores = q @ keys.transpose(-1, -2) * self.scaling[i] + mask
             out = torch.softmax(scores, dim=-1) @ values
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, 1, self.n_head * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = attn.o_proj(out.transpose(1, 2).reshape(1, 1, self.n_head * self.head_dim))
+            if self.gemma:
+                x = x + layer.post_attention_layernorm(h)
+                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            else:
+                x = x + h
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
             new_k.append(k[0])
             new_v.append(v[0])
         return self.lm_head(self.norm(x)), torch.stack(new_k), torch.stack(new_v)
@@ -114,9 +128,14 @@ def load_step(model_dir: Path, max_seq_len: int) -> tuple[DecodeStep, object]:
     ).eval()
     if model.config.model_type not in SUPPORTED_MODEL_TYPES:
         raise TunesmithError(
-            f"Core ML export supports the Llama family ({', '.join(SUPPORTED_MODEL_TYPES)}); this model is "
+            f"Core ML export supports the Llama family and Gemma 3 ({', '.join(SUPPORTED_MODEL_TYPES)}); this model is "
             f"'{model.config.model_type}'"
         )
+    window = getattr(model.config, "sliding_window", None) if model.config.model_type == "gemma3_text" else None
+    if window and max_seq_len > window:
+        raise TunesmithError(f"--max-seq-len {max_seq_len} exceeds the model's sliding window {window}; lower it")
+    if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "attn_logit_softcapping", None):
+        raise TunesmithError("Core ML export does not write logit soft-capping (this model's config sets it)")
     if max_seq_len < 2 or max_seq_len > model.config.max_position_embeddings:
         raise TunesmithError(
             f"--max-seq-len must be between 2 and the model's context ({model.config.max_position_embeddings}); "

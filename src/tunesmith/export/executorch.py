@@ -14,7 +14,8 @@ Weight-only int4 with float activations (4w) has no XNNPACK kernel in ExecuTorch
 names the alternatives.
 
 Supported: decoder-only models whose layers are Llama-shaped (model_type llama, mistral, qwen2: SmolLM, SmolLM2,
-Llama 2/3, TinyLlama, Mistral, Qwen2/2.5).
+Llama 2/3, TinyLlama, Mistral, Qwen2/2.5), and Gemma 3 text models (gemma3_text) with --max-seq-len within their
+sliding window.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ REFUSED = {
     "4w": "weight-only int4 with float activations has no XNNPACK kernel in ExecuTorch; use --quant 8da4w "
     "(int4 weights, int8 dynamic activations) for a CPU .pte, or --format coreml --quant int4 for Apple devices",
 }
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3_text")
 META_SUFFIX = ".json"  # model.pte -> model.json beside it
 META_FORMAT = "tunesmith-pte-v1"
 
@@ -86,6 +87,12 @@ class StaticCacheLM(torch.nn.Module):
         self.n_rep = self.n_heads // self.n_kv
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_heads
         self.n_layers = c.num_hidden_layers
+        # Gemma 3: norms scale by 1 + w, q/k are normed per head, attention and MLP outputs are normed before the
+        # residual add, and sliding-window layers use their own rope (within max_seq_len <= window they attend to
+        # every earlier token, as global layers do).
+        self.gemma = c.model_type == "gemma3_text"
+        self.layer_types = list(getattr(c, "layer_types", None) or ["full_attention"] * self.n_layers)
+        self.register_buffer("inv_head", torch.full((1, self.head_dim), 1.0 / self.head_dim), persistent=False)
         for i in range(self.n_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(self.n_kv, max_seq_len, self.head_dim), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(self.n_kv, max_seq_len, self.head_dim), persistent=False)
@@ -99,16 +106,30 @@ class StaticCacheLM(torch.nn.Module):
         rot[torch.arange(half) + half, torch.arange(half)] = 1.0
         self.register_buffer("rotate_half", rot, persistent=False)
 
-    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return norm.weight * (x * torch.rsqrt(F.linear(x * x, self.inv_hidden) + norm.variance_epsilon))
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor, inv: torch.Tensor | None = None) -> torch.Tensor:
+        inv = self.inv_hidden if inv is None else inv
+        if self.gemma:
+            return (1.0 + norm.weight) * (x * torch.rsqrt(F.linear(x * x, inv) + norm.eps))
+        return norm.weight * (x * torch.rsqrt(F.linear(x * x, inv) + norm.variance_epsilon))
+
+    @staticmethod
+    def _gemma_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Gemma's gated MLP with GELU's tanh form spelled out: lowered as one gelu op, XNNPACK computed another
+        GELU (3.7e-2 off in the 270M model's logits); these elementwise ops keep the program on the model's."""
+        g = mlp.gate_proj(x)
+        gelu = 0.5 * g * (1.0 + torch.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        return mlp.down_proj(gelu * mlp.up_proj(x))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + F.linear(x, self.rotate_half) * sin
 
     def _attention(self, attn, x, i: int, cos, sin, input_pos, mask) -> torch.Tensor:
         # Shapes carry -1 for the token dimension: XNNPACK takes a reshape with one inferred size, not a symbolic one.
-        q = self._rope(attn.q_proj(x).view(-1, self.n_heads, self.head_dim), cos, sin)  # [T, heads, head_dim]
-        k = self._rope(attn.k_proj(x).view(-1, self.n_kv, self.head_dim), cos, sin)
+        q = attn.q_proj(x).view(-1, self.n_heads, self.head_dim)  # [T, heads, head_dim]
+        k = attn.k_proj(x).view(-1, self.n_kv, self.head_dim)
+        if self.gemma:
+            q, k = self._norm(attn.q_norm, q, self.inv_head), self._norm(attn.k_norm, k, self.inv_head)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         v = attn.v_proj(x).view(-1, self.n_kv, self.head_dim)
         k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")  # [kv heads, S, head_dim]
         k_cache.index_copy_(1, input_pos, k.transpose(0, 1))
@@ -121,15 +142,25 @@ class StaticCacheLM(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         base = self.model.model
-        x = base.embed_tokens(tokens)
-        cos, sin = base.rotary_emb(x, input_pos.unsqueeze(0))
-        cos, sin = cos.view(-1, 1, self.head_dim), sin.view(-1, 1, self.head_dim)  # [T, 1, head_dim]
+        x = base.embed_tokens(tokens)  # Gemma's embedding module scales by sqrt(hidden) itself
+        ropes = {}
+        for kind in set(self.layer_types):
+            cos, sin = base.rotary_emb(x, input_pos.unsqueeze(0), kind) if self.gemma else \
+                base.rotary_emb(x, input_pos.unsqueeze(0))
+            ropes[kind] = cos.view(-1, 1, self.head_dim), sin.view(-1, 1, self.head_dim)  # [T, 1, head_dim]
         mask = self.mask[input_pos]
         if self.n_rep > 1:
             mask = mask.repeat(self.n_rep, 1)
         for i, layer in enumerate(base.layers):
-            x = x + self._attention(layer.self_attn, self._norm(layer.input_layernorm, x), i, cos, sin, input_pos, mask)
-            x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
+            cos, sin = ropes[self.layer_types[i]]
+            h = self._attention(layer.self_attn, self._norm(layer.input_layernorm, x), i, cos, sin, input_pos, mask)
+            if self.gemma:
+                x = x + self._norm(layer.post_attention_layernorm, h)
+                x = x + self._norm(layer.post_feedforward_layernorm, self._gemma_mlp(layer.mlp, self._norm(
+                    layer.pre_feedforward_layernorm, x)))
+            else:
+                x = x + h
+                x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
         return self.model.lm_head(self._norm(base.norm, x))
 
     def reset(self) -> None:
@@ -145,6 +176,8 @@ def check_architecture(config, max_seq_len: int) -> None:
             f"--format pte supports Llama-shaped models ({', '.join(ARCHITECTURES)}), not model_type {kind!r}; "
             "try --format gguf"
         )
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        raise TunesmithError("--format pte does not write logit soft-capping (this model's config sets it)")
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", window is not None) and window and max_seq_len > window:
         raise TunesmithError(f"--max-seq-len {max_seq_len} exceeds the model's sliding window {window}; lower it")

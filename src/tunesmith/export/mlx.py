@@ -103,13 +103,18 @@ _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.
 _LAYER = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<key>.+)$")
 
 
-def export_adapter(adapter_dir: Path, output: Path, num_hidden_layers: int | None = None) -> Path:
+def export_adapter(
+    adapter_dir: Path, output: Path, num_hidden_layers: int | None = None, model_dir: Path | None = None
+) -> Path:
     """Convert a PEFT LoRA adapter folder into mlx-lm's adapter format at `output`; returns the folder.
 
     mlx-lm computes y = x W^T + scale * (x @ lora_a) @ lora_b, so lora_a = A^T and lora_b = B^T for PEFT's
     y = x W^T + (alpha / r) * B(A(x)). mlx-lm adapts the last `num_layers` blocks; given the model's
-    `num_hidden_layers` the adapted blocks are checked to be exactly those.
+    `num_hidden_layers` (or its folder, `model_dir`) the adapted blocks are checked to be exactly those.
     """
+    if num_hidden_layers is None and model_dir is not None:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        num_hidden_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers")
     import numpy as np
     from safetensors.numpy import save_file
     from safetensors.torch import load_file
@@ -118,7 +123,7 @@ def export_adapter(adapter_dir: Path, output: Path, num_hidden_layers: int | Non
 
     folder = check_adapter_folder(adapter_dir)
     peft = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-    _check_peft_config(peft, folder)
+    check_peft_config(peft, folder, "mlx-lm's LoRA format")
     weights: dict[str, np.ndarray] = {}
     keys: set[str] = set()
     layers: set[int] = set()
@@ -161,8 +166,8 @@ def export_adapter(adapter_dir: Path, output: Path, num_hidden_layers: int | Non
     return out
 
 
-def _check_peft_config(peft: dict, folder: Path) -> None:
-    """List every PEFT option that mlx-lm's LoRA layers cannot express."""
+def check_peft_config(peft: dict, folder: Path, target: str) -> None:
+    """List every PEFT option that plain LoRA (mlx-lm's layers, llama.cpp's adapters) cannot express."""
     problems = []
     if peft.get("peft_type", "LORA") != "LORA":
         problems.append(f"peft_type {peft.get('peft_type')} (only LORA converts)")
@@ -179,5 +184,5 @@ def _check_peft_config(peft: dict, folder: Path) -> None:
             problems.append(option)
     if problems:
         raise TunesmithError(
-            f"{folder}: this adapter cannot be expressed in mlx-lm's LoRA format: {', '.join(problems)}"
+            f"{folder}: this adapter cannot be expressed in {target}: {', '.join(problems)}"
         )
