@@ -27,6 +27,7 @@ FORMATS = {
     "gguf": "tunesmith.export.gguf",
     "mlx": "tunesmith.export.mlx",
     "coreml": "tunesmith.export.coreml",
+    "keras": "tunesmith.export.keras",
 }
 
 
@@ -81,7 +82,7 @@ def export(cfg) -> Path:
     module = format_module(cfg.format)
     calibrates = getattr(module, "calibrated", None)
     with model_folder(cfg.model, cfg.adapter) as model_dir:
-        kw = {}
+        kw = {"backend": cfg.backend} if cfg.format == "keras" else {}
         if cfg.calibration_blocks and calibrates is not None and calibrates(cfg.quant):
             kw["calibration"] = calibration(model_dir, cfg)
         return module.export(model_dir, Path(cfg.output), cfg.quant, cfg.group_size, cfg.max_seq_len, **kw)
