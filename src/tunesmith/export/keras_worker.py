@@ -68,6 +68,36 @@ def greedy(model, prompts: list[list[int]], max_tokens: int) -> tuple[list, floa
     return out, seconds
 
 
+def patch_configs(preset: Path, registered_name: str, values: dict) -> None:
+    """Add `values` to the config of every object saved as `registered_name`: the backbone's and the tokenizer's
+    configs are nested in config.json / tokenizer.json, preprocessor.json and task.json alike."""
+
+    def patch(node) -> None:
+        if isinstance(node, dict):
+            if node.get("registered_name") == registered_name:
+                node["config"].update(values)
+            for value in node.values():
+                patch(value)
+        elif isinstance(node, list):
+            for value in node:
+                patch(value)
+
+    for name in ("config.json", "tokenizer.json", "preprocessor.json", "task.json"):
+        if (preset / name).is_file():
+            config = json.loads((preset / name).read_text(encoding="utf-8"))
+            patch(config)
+            (preset / name).write_text(json.dumps(config, indent=4), encoding="utf-8")
+
+
+def reloadable_backbone(preset: Path, model) -> None:
+    """KerasHub 0.32's LlamaBackbone takes tie_word_embeddings but leaves it out of its saved config, so a model
+    with tied embeddings (SmolLM2) reloads expecting an output matrix the file does not have."""
+    backbone = model.backbone
+    if hasattr(backbone, "tie_word_embeddings") and "tie_word_embeddings" not in backbone.get_config():
+        patch_configs(preset, f"keras_hub>{type(backbone).__name__}",
+                      {"tie_word_embeddings": bool(backbone.tie_word_embeddings)})
+
+
 # Llama3Tokenizer's constructor adds these unless told otherwise, and its saved config does not tell it otherwise
 LLAMA3_DEFAULT_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>")
 
@@ -91,22 +121,8 @@ def reloadable_tokenizer(preset: Path, model) -> None:
         if token not in vocab:
             vocab[token], next_id = next_id, next_id + 1
     vocab_file.write_text(json.dumps(vocab), encoding="utf-8")
-    tokens = {"bos_token": tokenizer.start_token, "eos_token": tokenizer.end_token}
-
-    def patch(node) -> None:  # the tokenizer's config is nested in tokenizer.json, preprocessor.json and task.json
-        if isinstance(node, dict):
-            if node.get("registered_name") == "keras_hub>Llama3Tokenizer":
-                node["config"].update(tokens)
-            for value in node.values():
-                patch(value)
-        elif isinstance(node, list):
-            for value in node:
-                patch(value)
-
-    for name in ("tokenizer.json", "preprocessor.json", "task.json"):
-        config = json.loads((preset / name).read_text(encoding="utf-8"))
-        patch(config)
-        (preset / name).write_text(json.dumps(config, indent=4), encoding="utf-8")
+    patch_configs(preset, "keras_hub>Llama3Tokenizer",
+                  {"bos_token": tokenizer.start_token, "eos_token": tokenizer.end_token})
 
 
 def main(path: str) -> None:
@@ -127,6 +143,7 @@ def main(path: str) -> None:
     arrays.update({f"greedy_{i}": t for i, t in enumerate(tokens)})
     if request.get("save"):
         model.save_to_preset(request["save"])
+        reloadable_backbone(Path(request["save"]), model)
         reloadable_tokenizer(Path(request["save"]), model)
     np.savez(Path(path).with_suffix(".npz"), **arrays)
     info = {"backend": keras.backend.backend(), "keras": keras.__version__, "keras_hub": keras_hub.__version__,
