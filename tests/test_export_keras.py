@@ -72,6 +72,22 @@ def test_export_refuses_a_file_name_or_a_foreign_folder(tmp_path):
         K._check_output(tmp_path / "busy")
 
 
+def test_the_ladder_skips_a_keras_preset_whose_backend_is_missing(monkeypatch, tmp_path):
+    from tunesmith.compare import _keras_presets
+
+    for backend in K.BACKENDS:
+        (tmp_path / f"keras-{backend}").mkdir()
+        (tmp_path / f"keras-{backend}" / K.MARKER).write_text(json.dumps({"format": "keras", "backend": backend}))
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx" / K.MARKER).write_text(json.dumps({"format": "mlx"}))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jax" else real(name, *a))
+    lines = []
+    found = _keras_presets(tmp_path, lines.append)
+    assert "keras-jax" not in [f.name for f, _ in found] and "mlx" not in [f.name for f, _ in found]
+    assert any("keras-jax skipped" in line and "tunesmith[jax]" in line for line in lines)
+
+
 # ------------------------------------------------------------------------------------------------ on each backend
 
 
@@ -149,3 +165,17 @@ def parity_with_console(cfg):
     from tunesmith.parity import framework_parity
 
     return framework_parity(cfg, Console(file=open(os.devnull, "w")), progress=False)  # noqa: SIM115
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_ladder_scores_a_keras_preset_as_pytorch_scores_the_model(backend, exported, smol_dir, tokenizer):
+    from tunesmith.compare import score_keras
+    from tunesmith.evaluate import evaluate
+
+    folder = exported(backend)
+    examples = [(IDS, IDS), (IDS[::-1], IDS[::-1])]
+    rung = score_keras(folder, json.loads((folder / K.MARKER).read_text()), tokenizer, examples, ["the quick"], 4)
+    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+    want = evaluate(model, examples, 4, 0, tokenizer.pad_token_id).perplexity
+    assert rung.name == f"keras {backend} fp32" and rung.bytes > 0 and len(rung.samples) == 1
+    assert rung.perplexity == pytest.approx(want, rel=1e-5)
