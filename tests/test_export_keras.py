@@ -16,7 +16,7 @@ from tests.conftest import make_model
 from tunesmith.config import ParityConfig
 from tunesmith.errors import TunesmithError
 from tunesmith.export import keras as K
-from tunesmith.parity import ParityMismatch, parity_from_config
+from tunesmith.parity import ParityMismatch
 
 IDS = [5, 17, 42, 99, 123, 7, 64, 3]
 
@@ -41,7 +41,7 @@ def test_a_missing_extra_is_named(monkeypatch, backend):
     with pytest.raises(TunesmithError, match=rf"pip install 'tunesmith\[{backend}\]'"):
         K.require(backend)
     with pytest.raises(TunesmithError, match=rf"tunesmith\[{backend}\]"):
-        parity_from_config(ParityConfig(model="unused", framework=backend), progress=False)
+        K.framework_parity(ParityConfig(model="unused", framework=backend), progress=False)
 
 
 def test_an_architecture_kerashub_does_not_convert_is_refused_by_name(tmp_path):
@@ -162,9 +162,8 @@ def test_framework_parity_passes_in_fp32_and_bf16_and_fails_beyond_a_tolerance(b
 def parity_with_console(cfg):
     from rich.console import Console
 
-    from tunesmith.parity import framework_parity
-
-    return framework_parity(cfg, Console(file=open(os.devnull, "w")), progress=False)  # noqa: SIM115
+    with open(os.devnull, "w") as sink:
+        return K.framework_parity(cfg, Console(file=sink), progress=False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -141,8 +141,6 @@ def parity_from_config(cfg, console=None, progress: bool = True) -> ParityResult
     from tunesmith.progress import status
 
     console = console or Console()
-    if cfg.framework != "torch":
-        return framework_parity(cfg, console, progress)[-1]
     device = resolve_device(cfg.device)
     precision = resolve_precision(device, cfg.precision)
     prompts = read_prompts(cfg.prompts, DEFAULT_PROMPTS)
@@ -184,39 +182,3 @@ def print_result(r: ParityResult, console) -> None:
     verdict = "exact" if r.exact else ("within tolerance" if r.passed else "BEYOND tolerance")
     console.print(f"parity {verdict}")
 
-
-def framework_parity(cfg, console, progress: bool = True) -> list[ParityResult]:
-    """`parity --framework jax|tensorflow`: the prompts through PyTorch (CPU) and through Keras 3 on that backend,
-    both sides in the same dtype: fp32 and bf16, or the one --precision names. Logits are compared over each prompt
-    and PyTorch's greedy continuation; the Keras side generates with KerasHub's own cached `generate`."""
-    from tunesmith.data import read_prompts
-    from tunesmith.export import model_folder
-    from tunesmith.export.keras import PRECISIONS, hf_request, judge, require, run_worker, torch_reference
-    from tunesmith.models import load_tokenizer
-    from tunesmith.progress import status
-
-    require(cfg.framework)
-    precisions = list(PRECISIONS) if cfg.precision == "auto" else [cfg.precision]
-    if any(p not in PRECISIONS for p in precisions):
-        raise TunesmithError(f"--framework {cfg.framework} compares in {' or '.join(PRECISIONS)}, not {cfg.precision}")
-    prompts = read_prompts(cfg.prompts, DEFAULT_PROMPTS)
-    results = []
-    with model_folder(cfg.model, cfg.adapter) as folder:
-        tokenizer = load_tokenizer(str(folder))
-        encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        for precision in precisions:
-            status(f"parity: {len(encoded)} prompts x {cfg.max_tokens} greedy tokens, {folder} through PyTorch and "
-                   f"Keras on {cfg.framework} ({precision})", progress)
-            ref = torch_reference(folder, encoded, precision, cfg.max_tokens)
-            out = run_worker(cfg.framework, hf_request(folder, precision, tokenizer, sequences=ref.sequences,
-                                                       prompts=ref.prompts, max_tokens=cfg.max_tokens))
-            r = judge(ref, out, cfg.framework, precision, f"PyTorch cpu ({precision})", cfg.tolerance)
-            print_result(r, console)
-            results.append(r)
-    failed = [r for r in results if not r.passed]
-    if failed:
-        raise ParityMismatch("; ".join(
-            f"Keras on {cfg.framework} ({r.precision}) differs from PyTorch beyond the tolerance: mean relative logit "
-            f"difference {r.mean_rel:.3g} (allowed {r.tolerance.mean_rel:g}), top-1 agreement "
-            f"{r.top1_agreement:.1%} (needed {r.tolerance.min_top1:.0%})" for r in failed))
-    return results

@@ -190,6 +190,48 @@ def check_tokenizer(tokenizer, texts: Sequence[str], keras_ids: Sequence[list[in
                                  f"{want[:12]}...; the preset would not read text as the model was trained on it")
 
 
+
+def framework_parity(cfg, console=None, progress: bool = True) -> list:
+    """`parity --framework jax|tensorflow`: the prompts through PyTorch (CPU) and through Keras 3 on that backend,
+    both sides in the same dtype: fp32 and bf16, or the one --precision names. Logits are compared over each prompt
+    and PyTorch's greedy continuation; the Keras side generates with KerasHub's own cached `generate`."""
+    from rich.console import Console
+
+    from tunesmith.data import read_prompts
+    from tunesmith.export import model_folder
+    from tunesmith.models import load_tokenizer
+    from tunesmith.parity import DEFAULT_PROMPTS, ParityMismatch, print_result
+    from tunesmith.progress import status
+
+    console = console or Console()
+
+    require(cfg.framework)
+    precisions = list(PRECISIONS) if cfg.precision == "auto" else [cfg.precision]
+    if any(p not in PRECISIONS for p in precisions):
+        raise TunesmithError(f"--framework {cfg.framework} compares in {' or '.join(PRECISIONS)}, not {cfg.precision}")
+    prompts = read_prompts(cfg.prompts, DEFAULT_PROMPTS)
+    results = []
+    with model_folder(cfg.model, cfg.adapter) as folder:
+        tokenizer = load_tokenizer(str(folder))
+        encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        for precision in precisions:
+            status(f"parity: {len(encoded)} prompts x {cfg.max_tokens} greedy tokens, {folder} through PyTorch and "
+                   f"Keras on {cfg.framework} ({precision})", progress)
+            ref = torch_reference(folder, encoded, precision, cfg.max_tokens)
+            out = run_worker(cfg.framework, hf_request(folder, precision, tokenizer, sequences=ref.sequences,
+                                                       prompts=ref.prompts, max_tokens=cfg.max_tokens))
+            r = judge(ref, out, cfg.framework, precision, f"PyTorch cpu ({precision})", cfg.tolerance)
+            print_result(r, console)
+            results.append(r)
+    failed = [r for r in results if not r.passed]
+    if failed:
+        raise ParityMismatch("; ".join(
+            f"Keras on {cfg.framework} ({r.precision}) differs from PyTorch beyond the tolerance: mean relative logit "
+            f"difference {r.mean_rel:.3g} (allowed {r.tolerance.mean_rel:g}), top-1 agreement "
+            f"{r.top1_agreement:.1%} (needed {r.tolerance.min_top1:.0%})" for r in failed))
+    return results
+
+
 # ------------------------------------------------------------------------------------------------ the export
 
 
