@@ -45,15 +45,14 @@ def logits(model, ids: list[int]):
     return np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(out[0], "float32")))
 
 
-def greedy(model, prompts: list[list[int]], max_tokens: int) -> tuple[list, float]:
+def greedy(model, prompts: list[list[int]], max_tokens: int, n: int) -> tuple[list, float]:
     """max_tokens greedy ids after each prompt through KerasHub's generate (KV cache, compiled), and the seconds
-    spent decoding after a first call that compiles."""
+    spent in generate. Every call is padded to `n` positions: one shape, so JAX compiles once."""
     import numpy as np
 
     model.compile(sampler="greedy")
     preprocessor, model.preprocessor = model.preprocessor, None  # token ids in, token ids out
     out, seconds = [], 0.0
-    n = max(map(len, prompts)) + max_tokens  # one shape for every prompt: JAX compiles once
     try:
         for ids in prompts:
             x = {"token_ids": np.zeros((1, n), "int32"), "padding_mask": np.zeros((1, n), bool)}
@@ -138,8 +137,9 @@ def main(path: str) -> None:
     seconds, prompts, max_tokens = None, request.get("prompts", []), request.get("max_tokens", 0)
     tokens = [np.zeros(0, "int64") for _ in prompts]
     if prompts and max_tokens > 0:
-        greedy(model, prompts[:1], max_tokens)  # the first generate compiles; time the decoding apart from it
-        tokens, seconds = greedy(model, prompts, max_tokens)
+        n = max(map(len, prompts)) + max_tokens
+        greedy(model, prompts[:1], 1, n)  # the first generate compiles; time the decoding apart from it
+        tokens, seconds = greedy(model, prompts, max_tokens, n)
     arrays.update({f"greedy_{i}": t for i, t in enumerate(tokens)})
     if request.get("save"):
         model.save_to_preset(request["save"])
