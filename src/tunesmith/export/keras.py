@@ -176,7 +176,7 @@ def judge(ref: Reference, out: KerasOutput, backend: str, precision: str, refere
     tol = TOLERANCES[precision]
     if tolerance > 0:
         tol = Tolerance(mean_rel=tolerance, min_top1=tol.min_top1)
-    return ParityResult(f"keras {backend} ({out.info.get('backend', backend)} backend, cpu)", precision,
+    return ParityResult(f"Keras on {out.info.get('backend', backend)} (cpu)", precision,
                         sum(len(x) for x in ref.logits), **stats, greedy_match=matches,
                         first_divergence=divergences, tolerance=tol, reference=reference)
 
