@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo browser test lint clean
+.PHONY: setup demo browser test test-keras lint clean
 
 $(BIN)/tunesmith: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,16 @@ $(VENV)/.export-extras: $(BIN)/tunesmith
 test: setup browser $(VENV)/.export-extras
 	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest -q --durations=15
+
+# Keras 3 on JAX and TensorFlow (export --format keras, parity --framework, the ladder's Keras rows): their own
+# target, because installing both backends and running their tests on two cores would take `make test` past CI's
+# 20 minutes (docs/EXPORT.md, "Keras"); without the extras `make test` skips those tests and says which to install.
+$(VENV)/.keras-extras: $(BIN)/tunesmith
+	$(BIN)/pip install -q -e ".[jax,tensorflow]"
+	touch $@
+
+test-keras: setup $(VENV)/.keras-extras
+	$(BIN)/python -m pytest -q --durations=10 tests/test_export_keras.py
 
 lint: setup
 	$(BIN)/ruff check src tests bench

@@ -123,6 +123,11 @@ def _fit(cfg):
 
 
 def _parity(cfg):
+    if cfg.framework != "torch":
+        from tunesmith.export.keras import framework_parity
+
+        framework_parity(cfg)
+        return
     from tunesmith.parity import parity_from_config
 
     parity_from_config(cfg)

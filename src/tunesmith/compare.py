@@ -2,9 +2,10 @@
 
 Rungs: the base model; base + LoRA adapter; the merged model (fp32); int8 and int4 weight-only (made from the merged
 model into <run>/quantized-int8 and <run>/quantized-int4-g<N> when missing); every .pte under <run>/exports (and
-any given with --pte). Each gets perplexity, bytes on disk (weight files only: safetensors / .pte; the LoRA rung
-counts base + adapter, which is what it ships), greedy decode tokens/s on this machine, and the greedy continuation
-of each prompt. The table is printed and written to <run>/ladder.json, which the run report draws.
+any given with --pte); every Keras preset folder under <run>/exports (`export --format keras`), on the backend
+it was exported with, when that backend is installed. Each gets perplexity, bytes on disk (weight files only:
+safetensors / .pte / model.weights.h5; the LoRA rung counts base + adapter, which is what it ships), greedy decode
+tokens/s on this machine, and the greedy continuation of each prompt. The table is printed and written to <run>/ladder.json, which the run report draws.
 """
 
 from __future__ import annotations
@@ -92,6 +93,29 @@ def score_pte(path: Path, examples: Sequence[Example], prompts: Sequence[str], m
     samples, tps = _greedy(lambda p, n: stream_generate_pte(pte, p, max_tokens=n), prompts, max_tokens)
     note = "" if ppl is not None else f"blocks longer than its max_seq_len {pte.max_seq_len}: no perplexity"
     return Rung(name, ppl, path.stat().st_size, tps, samples, str(path), note)
+
+
+def score_keras(folder: Path, info: dict, tokenizer, examples: Sequence[Example], prompts: Sequence[str],
+                max_tokens: int) -> Rung:
+    """A Keras preset (export --format keras) on its backend, in a child process: perplexity from its logits on the
+    held-out blocks, greedy continuations from KerasHub's cached generate (which runs the full max_tokens)."""
+    from tunesmith.export.keras import run_worker
+
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    out = run_worker(info["backend"], {"source": str(folder), "kind": "preset", "dtype": info["dtype"],
+                                       "sequences": [list(ids) for ids, _ in examples], "prompts": encoded,
+                                       "max_tokens": max_tokens})
+    total, count = 0.0, 0
+    for logits, (_, labels) in zip(out.logits, examples, strict=True):
+        target = torch.tensor(labels[1:])
+        total += float(F.cross_entropy(torch.from_numpy(logits)[:-1], target, ignore_index=IGNORE, reduction="sum"))
+        count += int((target != IGNORE).sum())
+    seconds = out.info.get("decode_seconds")
+    tps = len(prompts) * max_tokens / seconds if seconds else None
+    samples = [tokenizer.decode(g, skip_special_tokens=True) for g in out.greedy]
+    weights = folder / "model.weights.h5"
+    return Rung(f"keras {info['backend']} {info['quant']}", math.exp(min(total / count, 80.0)) if count else None,
+                weights.stat().st_size if weights.is_file() else None, tps, samples, str(folder))
 
 
 # ------------------------------------------------------------------------------------------------ the ladder
@@ -187,8 +211,26 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
         ptes = []
     for path in ptes:
         rungs.append(timed(path.name, score_pte, path, examples, prompts, cfg.max_tokens))
+    for folder, info in _keras_presets(run_dir / "exports", echo):
+        rungs.append(timed(f"keras {info['backend']}", score_keras, folder, info, tokenizer, examples, prompts,
+                           cfg.max_tokens))
     write_ladder(run_dir, rungs, prompts)
     return rungs
+
+
+def _keras_presets(exports: Path, echo) -> list[tuple[Path, dict]]:
+    """Every Keras preset under <run>/exports whose backend is installed; a line for those skipped."""
+    from tunesmith.export.keras import exported_presets, require
+
+    found = []
+    for folder, info in exported_presets(exports) if exports.is_dir() else []:
+        try:
+            require(info["backend"])
+        except TunesmithError as e:
+            echo(f"  {folder.name} skipped: {e}")
+            continue
+        found.append((folder, info))
+    return found
 
 
 def _quantized_rungs(run_dir, merged, cfg, train, examples, prompts, timed, echo) -> list[Rung]:

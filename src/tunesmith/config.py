@@ -448,6 +448,9 @@ class ParityConfig(ModelConfig):
     max_tokens: int = opt(32, "greedy tokens generated per prompt on each side (0: compare the logits only)", bounds=COUNT)
     tolerance: float = opt(0.0, "largest mean relative logit difference allowed (0: the default for the precision)",
                            bounds=COUNT)
+    framework: str = opt("torch", "torch: --device against the CPU; jax or tensorflow: Keras 3 on that backend "
+                         "against PyTorch (CPU), in fp32 and bf16 unless --precision picks one",
+                         choices=["torch", "jax", "tensorflow"])
 
 
 @dataclass
@@ -478,14 +481,17 @@ class ExportConfig(Config):
                      f"(default: the one --adapter was trained on, else {DEFAULT_MODEL})")
     adapter: str | None = opt(None, adapter_help("to merge on the fly before exporting"), type=adapter_value,
                               aliases=("adapter_path",))
-    format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder), coreml (.mlpackage) or ollama "
-                      "(a folder: the GGUF and a Modelfile)", choices=["pte", "gguf", "mlx", "coreml", "ollama"])
+    format: str = opt("pte", "pte (ExecuTorch), gguf (llama.cpp), mlx (MLX folder), coreml (.mlpackage), ollama "
+                      "(a folder: the GGUF and a Modelfile) or keras (Keras 3 preset folder)",
+                      choices=["pte", "gguf", "mlx", "coreml", "ollama", "keras"])
     adapter_only: bool = opt(False, "write the --adapter alone, not merged: --format mlx gives mlx-lm's "
                              "adapters.safetensors + adapter_config.json, --format gguf a llama.cpp LoRA adapter .gguf")
+    backend: str = opt("jax", "keras: the Keras backend that converts and checks the preset (jax or tensorflow)",
+                       choices=["jax", "tensorflow"])
     output: str = opt("", "file or folder to write, e.g. ship/model.pte")
     quant: str = opt("fp32", "weights: pte fp32|8w|8da4w; gguf and ollama f32|f16|q8_0|q4_1|q4_0|"
                              "q4_0_mixed|q4_k_m|q4_k_s|q5_k_m|q6_k; "
-                             "mlx fp32|bf16|fp16|8bit|4bit; coreml fp32|fp16|int8|int4")
+                             "mlx fp32|bf16|fp16|8bit|4bit; coreml fp32|fp16|int8|int4; keras fp32|bf16")
     group_size: int = opt(32, "weights per quantization group for the 4-bit schemes", bounds=AT_LEAST_1)
     max_seq_len: int = opt(256, "longest sequence (prompt + generated tokens) the artifact can hold", bounds=Bounds(2))
     calibration_blocks: int = opt(

@@ -60,6 +60,7 @@ class ParityResult:
     greedy_match: list[bool] = field(default_factory=list)  # per prompt: same greedy tokens on both sides
     first_divergence: list[int | None] = field(default_factory=list)  # first differing generated token, or None
     tolerance: Tolerance = TOLERANCES["fp32"]
+    reference: str = "cpu (fp32)"  # what the candidate was compared with
 
     @property
     def passed(self) -> bool:
@@ -167,7 +168,7 @@ def parity_from_config(cfg, console=None, progress: bool = True) -> ParityResult
 def print_result(r: ParityResult, console) -> None:
     from rich.table import Table
 
-    table = Table(title=f"parity: {r.device} ({r.precision}) vs cpu (fp32), {r.positions} positions")
+    table = Table(title=f"parity: {r.device} ({r.precision}) vs {r.reference}, {r.positions} positions")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("allowed", justify="right")
@@ -180,3 +181,4 @@ def print_result(r: ParityResult, console) -> None:
     console.print(table)
     verdict = "exact" if r.exact else ("within tolerance" if r.passed else "BEYOND tolerance")
     console.print(f"parity {verdict}")
+

@@ -35,6 +35,7 @@ FORMATS = {
     "mlx": "tunesmith.export.mlx",
     "coreml": "tunesmith.export.coreml",
     "ollama": "tunesmith.export.ollama",
+    "keras": "tunesmith.export.keras",
 }
 
 
@@ -91,7 +92,7 @@ def export(cfg) -> Path:
         return export_adapter(cfg, module)
     calibrates = getattr(module, "calibrated", None)
     with model_folder(cfg.model, cfg.adapter) as model_dir:
-        kw = {}
+        kw = {"backend": cfg.backend} if cfg.format == "keras" else {}
         if cfg.calibration_blocks and calibrates is not None and calibrates(cfg.quant):
             kw["calibration"] = calibration(model_dir, cfg)
         return module.export(model_dir, Path(cfg.output), cfg.quant, cfg.group_size, cfg.max_seq_len, **kw)
