@@ -319,7 +319,7 @@ def restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, pla
             weight_decay: float, load_optimizer: Callable[[dict], None] | None = None) -> TrainState:
     """Load a verified checkpoint into the live objects; returns the loop's state. The RNGs are separate
     (restore_rng), to be set right before the loop. `load_optimizer` (FSDP2): the weights were restored before
-    sharding (_restore_weights), and it splits the optimizer's full state over the processes."""
+    sharding (restore_weights), and it splits the optimizer's full state over the processes."""
     try:
         return _restore(ckpt, model, optimizer, scheduler, scaler, schedule, planned_total, lr, weight_decay,
                         load_optimizer)
@@ -331,7 +331,7 @@ def _restore(ckpt: Checkpoint, model, optimizer, scheduler, scaler, schedule, pl
              weight_decay: float, load_optimizer: Callable[[dict], None] | None = None) -> TrainState:
     s = ckpt.state
     if load_optimizer is None:
-        _restore_weights(ckpt, model)
+        restore_weights(ckpt, model)
     inner_opt = getattr(optimizer, "optimizer", optimizer)
     live = {"param_groups": inner_opt.param_groups}
     opt_state = _optimizer_state(read_safetensors(ckpt.path / OPTIMIZER), s["optimizer"], live)
@@ -383,7 +383,7 @@ def _requantize_8bit_state(optimizer) -> None:
                 state[name] = moment
 
 
-def _restore_weights(ckpt: Checkpoint, model) -> None:
+def restore_weights(ckpt: Checkpoint, model) -> None:
     """The adapter's weights (LoRA, DoRA), or the trained parameters by name (full fine-tuning)."""
     from peft import set_peft_model_state_dict
 

@@ -28,13 +28,13 @@ from tunesmith.checkpoint import (
     Checkpointer,
     StopSignals,
     TrainState,
-    _restore_weights,
     capture_rng,
     carry_metrics,
     complete_checkpoints,
     data_fingerprint,
     restore,
     restore_rng,
+    restore_weights,
     rng_of,
 )
 from tunesmith.config import TrainConfig, save_config, to_dict
@@ -359,7 +359,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         saver.check_config(ckpt, cfg.on_config_mismatch)
     per_step = _examples_per_step(cfg, ckpt, batch_size, world, say)
     if ckpt and fsdp:  # sharding then splits the restored weights; the optimizer's moments follow after prepare
-        _restore_weights(ckpt, model)
+        restore_weights(ckpt, model)
     params = [p for p in model.parameters() if p.requires_grad]
     trainable, every = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     optimizer, what = make_optimizer(cfg, params, device)

@@ -145,12 +145,7 @@ def model_config(model_dir: Path):
         problems.append(f"hidden_act {config.hidden_act} (llama.cpp's llama graph uses silu)")
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         problems.append("bias terms in attention or MLP")
-    rope_type = _rope(config).get("rope_type", "default")
-    if rope_type not in ("default", "linear"):
-        problems.append(f"rope scaling '{rope_type}' (supported: default, linear)")
-    if problems:
-        raise TunesmithError(f"GGUF export cannot write this Llama model: {'; '.join(problems)}")
-    return config
+    return _refuse_if(problems, config, "Llama")
 
 
 def _gemma3_checked(config):
@@ -172,11 +167,16 @@ def _gemma3_checked(config):
     local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention", {})
     if local and (local.get("rope_theta") != 10000.0 or local.get("rope_type", "default") != "default"):
         problems.append(f"sliding-window rope {local} (llama.cpp uses base 10000, no scaling)")
+    return _refuse_if(problems, config, "Gemma 3")
+
+
+def _refuse_if(problems: list[str], config, family: str):
+    """The checks both architectures share (rope scaling), then one error listing every problem, or the config."""
     rope_type = _rope(config).get("rope_type", "default")
     if rope_type not in ("default", "linear"):
         problems.append(f"rope scaling '{rope_type}' (supported: default, linear)")
     if problems:
-        raise TunesmithError(f"GGUF export cannot write this Gemma 3 model: {'; '.join(problems)}")
+        raise TunesmithError(f"GGUF export cannot write this {family} model: {'; '.join(problems)}")
     return config
 
 
