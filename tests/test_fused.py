@@ -205,3 +205,88 @@ def test_training_builds_no_kv_cache(tmp_path, tiny_dir, text_file, monkeypatch,
     r = train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=2, eval_every=1, fused_loss=fused_loss),
               progress=False)
     assert r.steps == 2 and len(r.evals) == 2 and made == []
+
+
+# ------------------------------------------------------------------------------------------------ CUDA graphs
+
+
+@pytest.mark.parametrize(("changes", "device", "world", "fsdp", "expected"), [
+    ({}, "cuda", 1, False, (True, True, False)),  # one GPU: compiled layers replayed as graphs, no Liger
+    ({}, "cpu", 1, False, (False, False, False)),
+    ({}, "mps", 1, False, (False, False, False)),
+    ({}, "cuda", 2, False, (True, False, True)),  # several processes: graphs only when asked for
+    ({}, "cuda", 2, True, (False, False, True)),  # FSDP2 stays eager
+    ({"gradient_checkpointing": True}, "cuda", 1, False, (True, False, True)),
+    ({"quantize_base": "nf4"}, "cuda", 1, False, (True, False, True)),
+    ({"cuda_graphs": "off"}, "cuda", 1, False, (True, False, True)),
+    ({"cuda_graphs": "off", "liger": False}, "cuda", 1, False, (True, False, False)),
+    ({"cuda_graphs": "on"}, "cuda", 2, False, (True, True, False)),
+    ({"compile": "off"}, "cuda", 1, False, (False, False, True)),
+    ({"compile": "on"}, "cpu", 1, False, (True, False, False)),
+])
+def test_cuda_graphs_go_where_layers_are_compiled_on_one_gpu_and_liger_gives_way(changes, device, world, fsdp,
+                                                                                  expected):
+    from tunesmith.config import TrainConfig
+    from tunesmith.train import fast_paths
+
+    assert fast_paths(TrainConfig(**changes), device, world, fsdp) == expected
+
+
+def test_cuda_graphs_on_where_they_cannot_run_is_one_error_before_anything_is_written(tmp_path, tiny_dir, text_file):
+    from tunesmith.errors import TunesmithError
+
+    out = tmp_path / "run"
+    with pytest.raises(TunesmithError, match=r"this run is on cpu; use --cuda-graphs off"):
+        train(tiny_train_config(tmp_path, tiny_dir, text_file, cuda_graphs="on"), progress=False)
+    assert not out.exists()
+    from tunesmith.config import TrainConfig
+    from tunesmith.train import fast_paths
+
+    with pytest.raises(TunesmithError, match=r"not compiled; .* or --compile on"):
+        fast_paths(TrainConfig(cuda_graphs="on", compile="off"), "cuda", 1, False)
+
+
+def test_compiled_layers_run_eagerly_for_evaluation_and_after_training(tokenizer):
+    model = attach_lora(make_model(tokenizer), 4, 8, 0.0, "all-linear")
+    assert fused.compile_layers(model, cuda_graphs=True) == 2  # torch.compile is lazy: nothing compiles until a call
+    layers = model.get_base_model().model.layers
+    compiled = [layer._compiled_call_impl for layer in layers]
+    assert all(c is not None for c in compiled)
+    with fused.eager_layers(model):
+        assert all(layer._compiled_call_impl is None for layer in layers)
+    assert [layer._compiled_call_impl for layer in layers] == compiled
+    assert fused.uncompile_layers(model) is model
+    assert all(layer._compiled_call_impl is None for layer in layers)
+
+
+def test_gradients_leave_the_graph_pool_between_micro_batches_only(tokenizer, monkeypatch):
+    """A graphed backward writes its gradients where its next replay writes again: between micro-batches of one
+    step they are copied out (values unchanged); after the step's last one the optimizer reads them in place."""
+    from accelerate import Accelerator
+
+    import tunesmith.train as T
+
+    model = attach_lora(make_model(tokenizer), 4, 8, 0.0, ["q_proj", "v_proj"])
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.grad for p in params]
+    fused.own_gradients(model)
+    assert all(p.grad is not b and p.grad.data_ptr() != b.data_ptr() and torch.equal(p.grad, b)
+               for p, b in zip(params, before, strict=True))
+    model.zero_grad(set_to_none=True)
+
+    calls = []
+    monkeypatch.setattr(T, "own_gradients", lambda m: calls.append(m))
+    g = torch.Generator().manual_seed(0)
+    examples = [(ids, ids) for ids in (torch.randint(3, len(tokenizer), (16,), generator=g).tolist()
+                                       for _ in range(4))]
+    acc = Accelerator(cpu=True)
+    graphed = T._accumulate(model, acc, examples, 1, 60, 0, loss_sum, graphed=True)
+    grads = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    assert len(calls) == 3  # 4 micro-batches: after the first three
+    plain = T._accumulate(model, acc, examples, 1, 60, 0, loss_sum, graphed=False)
+    assert len(calls) == 3 and graphed == plain
+    assert all(torch.equal(p.grad, q) for p, q in zip(params, grads, strict=True))

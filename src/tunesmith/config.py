@@ -236,6 +236,10 @@ class TrainConfig(DataConfig, ModelConfig):
                       "liger-kernel is installed (pip install 'tunesmith[cuda]')")
     compile: str = opt("auto", "torch.compile each decoder layer (regional: the first compiles, the rest reuse it): "
                        "auto (on CUDA), on, off", choices=["auto", "on", "off"])
+    cuda_graphs: str = opt("auto", "replay each compiled decoder layer as a CUDA graph (torch.compile's reduce-overhead "
+                           "mode): one launch instead of dozens, which is what bounds a small model's step; Liger's "
+                           "kernels give way to the compiler's own fusions there. auto: on where layers are compiled "
+                           "on one CUDA GPU, without gradient checkpointing or a quantized base; on; off", choices=["auto", "on", "off"])
     fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",

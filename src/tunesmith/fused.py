@@ -6,10 +6,13 @@
   cross-entropy does), so the backward pass has nothing vocabulary-sized to keep. Plain PyTorch: it serves the CPU,
   MPS and CUDA alike, where the logits of a 128k vocabulary are the largest tensor of a training step.
 - `apply_liger`: Liger Kernel's Triton RMSNorm, SwiGLU and RoPE on CUDA (`pip install 'tunesmith[cuda]'`).
-- `compile_layers`: torch.compile of each decoder layer (regional: one compiled graph serves every layer).
+- `compile_layers`: torch.compile of each decoder layer (regional: one compiled graph serves every layer), replayed
+  as CUDA graphs where asked.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -214,10 +217,58 @@ def _patch_rope(lm) -> bool:
     return True
 
 
-def compile_layers(model: torch.nn.Module) -> int:
+def compile_layers(model: torch.nn.Module, cuda_graphs: bool = False) -> int:
     """torch.compile each decoder layer in place (regional compilation: the layers share code, so the first one
-    compiles and the rest reuse it; warm-up stays in seconds, not the minutes of a whole-model compile)."""
+    compiles and the rest reuse it; warm-up stays in seconds, not the minutes of a whole-model compile).
+
+    `cuda_graphs`: the reduce-overhead mode, whose CUDA graph trees record each layer's forward and backward once
+    and then replay them: a small model's step is bound by launching thousands of small kernels, not by running
+    them. A layer whose graph mutates one of its inputs is not graphed (torch says so and runs it as compiled
+    code): Liger's in-place kernels do, so the trainer leaves them out in this mode."""
     layers = causal_lm(model).get_decoder().layers
     for layer in layers:
-        layer.compile()
+        layer.compile(mode="reduce-overhead" if cuda_graphs else None)
     return len(layers)
+
+
+def uncompile_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layers back to eager calls (what `compile_layers` did, undone): the model that `train` returns
+    generates with a KV cache, whose per-layer cache objects would make a compiled layer recompile per layer and a
+    graphed one record a graph per decoding length."""
+    try:
+        layers = causal_lm(model).get_decoder().layers
+    except (AttributeError, TypeError):
+        return model
+    for layer in layers:
+        if getattr(layer, "_compiled_call_impl", None) is not None:
+            layer._compiled_call_impl = None
+    return model
+
+
+@contextlib.contextmanager
+def eager_layers(model: torch.nn.Module):
+    """Run the decoder layers eagerly inside the block, compiled again after it.
+
+    CUDA graph trees keep one recording per place in a training step; a forward without gradients in between
+    (evaluation) would replay the same layer graph for every layer while an earlier layer's output, still needed,
+    lives in the memory the replay writes. Evaluation is a small share of a run: it runs eager."""
+    layers = causal_lm(model).get_decoder().layers
+    saved = [getattr(layer, "_compiled_call_impl", None) for layer in layers]
+    for layer in layers:
+        layer._compiled_call_impl = None
+    try:
+        yield model
+    finally:
+        for layer, impl in zip(layers, saved, strict=True):
+            layer._compiled_call_impl = impl
+
+
+def own_gradients(model: torch.nn.Module) -> None:
+    """Copy each gradient that lives in a CUDA graph's memory pool out of it, before the next micro-batch.
+
+    A graphed backward writes its gradients into memory that its next replay writes again; the first micro-batch's
+    gradient would be overwritten by the second's before being added to it. Only under CUDA graph trees, and
+    only between micro-batches of one step (the optimizer reads the last one's before any replay)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = p.grad.clone()

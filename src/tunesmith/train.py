@@ -70,8 +70,11 @@ from tunesmith.fused import (
     apply_liger,
     chunked_loss_sum,
     compile_layers,
+    eager_layers,
     liger_available,
+    own_gradients,
     supports_chunked_loss,
+    uncompile_layers,
 )
 from tunesmith.lora import attach_lora, save_adapter, trainable_parameters, unfreeze
 from tunesmith.models import load_model, load_tokenizer
@@ -273,6 +276,7 @@ class Run:
     ckpt: Checkpoint | None  # the checkpoint resumed from
     log: RunLog  # metrics.jsonl, open (and on resume already cut back to the checkpoint's step)
     say: Callable[[str], None]  # a note on stderr, from the main process only
+    graphed: bool = False  # the decoder layers replay as CUDA graphs
 
 
 def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
@@ -292,6 +296,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if fsdp and cfg.quantize_base != "none":
         raise TunesmithError("--quantize-base with --strategy fsdp: a quantized base is not sharded; use "
                              "--strategy ddp (each GPU holds the small quantized base), or drop --quantize-base")
+    fast_paths(cfg, device.type, 1, fsdp)  # --cuda-graphs on where it cannot be: refused before anything is written
     precision = resolve_precision(device, cfg.precision)
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -331,7 +336,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         model.to(dtype)  # an injected half-precision model gets its fp32 master weights
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
-    kernels = _kernels(cfg, device, model, say)
+    compiled, graphs, liger = fast_paths(cfg, device.type, world, fsdp)
+    kernels = _kernels(cfg, device, model, say, liger)
     kernels += [f"{cfg.quantize_base} base"] if cfg.quantize_base != "none" else []
     set_seed(cfg.seed)  # LoRA init draws from the RNG: same seed, same adapter
     if cfg.fine_tune_type == "full":
@@ -344,10 +350,9 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    # (auto leaves FSDP2 runs eager: its hooks around each layer would go inside the compiled region)
-    if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda" and not fsdp):
-        compile_layers(model)
-        kernels.append("compiled layers")
+    if compiled:
+        compile_layers(model, cuda_graphs=graphs)
+        kernels.append("compiled layers" + (" as CUDA graphs" if graphs else ""))
     kernels += ["FSDP2"] if fsdp else ["DDP"] if world > 1 else []
     saver = Checkpointer(run_dir, cfg, device.type, precision, fingerprint, say)
     # Resume restores what the next step depends on: the LoRA weights, AdamW's moments, the schedule (whose horizon
@@ -396,7 +401,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         batch_size = min(batch_size, state.batch_size)
     batch_size = min(batch_size, per_step // world)
     return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
-               total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say)
+               total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs)
 
 
 def _examples_per_step(cfg: TrainConfig, ckpt: Checkpoint | None, batch_size: int, world: int, say) -> int:
@@ -447,7 +452,7 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             n_tokens = max(1, sum(sum(1 for t in lab[1:] if t != IGNORE) for _, lab in every))
             while True:  # out of memory: halve the micro-batch, double the accumulation, redo this step afresh
                 try:
-                    step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss)
+                    step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss, run.graphed)
                     step_loss = all_sum(acc, [step_loss])[0]  # the processes' shares of the step's loss
                     break
                 except Exception as e:
@@ -496,8 +501,10 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             bar.update(task, advance=1, loss=step_loss, tps=tps)
             last = step == schedule.total
             if data.valid and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-                ev = evaluate(unwrapped, data.valid, batch_size, cfg.eval_batches, run.pad_id, (rank, world),
-                              lambda v: all_sum(acc, v))
+                # graphed layers are recorded for training; evaluation (no gradients) runs them eagerly
+                with eager_layers(unwrapped) if run.graphed else nullcontext():
+                    ev = evaluate(unwrapped, data.valid, batch_size, cfg.eval_batches, run.pad_id, (rank, world),
+                                  lambda v: all_sum(acc, v))
                 result.evals.append((step, ev))
                 log.write("eval", step=step, val_loss=ev.loss, val_ppl=ev.perplexity, val_tokens=ev.tokens)
                 model.train()
@@ -545,7 +552,7 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
         if acc.is_main_process:  # records the model it needs, and how its base was held
             save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights)
     acc.wait_for_everyone()
-    result.model = model
+    result.model = uncompile_layers(model)
     return result
 
 
@@ -580,10 +587,31 @@ def save_model(model, tokenizer, folder: Path, base_spec: str, state_dict: dict 
     return folder
 
 
-def _kernels(cfg: TrainConfig, device: torch.device, model, say) -> list[str]:
-    """Liger's kernels on CUDA where asked for and installed; what the start line reports of the fast paths."""
+def fast_paths(cfg: TrainConfig, device_type: str, world: int, fsdp: bool) -> tuple[bool, bool, bool]:
+    """Whether this run compiles its decoder layers, replays them as CUDA graphs, and applies Liger's kernels.
+
+    --compile auto compiles on CUDA, except under FSDP2 (its hooks around each layer would go inside the compiled
+    region). --cuda-graphs auto graphs the compiled layers on one CUDA GPU without gradient checkpointing (whose
+    recomputation would run a graphed layer inside the backward pass) and without a quantized base (torchao's NF4
+    weight is a tensor subclass, not verified under graphs). Graphs and Liger exclude each other: Liger's RoPE
+    writes into its inputs, and torch runs a layer whose graph mutates an input without its graph."""
+    compiled = cfg.compile == "on" or (cfg.compile == "auto" and device_type == "cuda" and not fsdp)
+    if cfg.cuda_graphs == "on" and not (compiled and device_type == "cuda"):
+        why = f"this run is on {device_type}" if device_type != "cuda" else "its layers are not compiled"
+        raise TunesmithError(f"--cuda-graphs on replays compiled layers on a CUDA GPU, but {why}; use --cuda-graphs "
+                             "off (or auto)" + ("" if device_type != "cuda" else ", or --compile on"))
+    graphs = compiled and device_type == "cuda" and (
+        cfg.cuda_graphs == "on"
+        or (cfg.cuda_graphs == "auto" and world == 1 and not cfg.gradient_checkpointing
+            and cfg.quantize_base == "none"))
+    return compiled, graphs, cfg.liger and device_type == "cuda" and not graphs
+
+
+def _kernels(cfg: TrainConfig, device: torch.device, model, say, liger: bool) -> list[str]:
+    """Liger's kernels where `fast_paths` chose them and they are installed; what the start line reports of the
+    fast paths."""
     done = ["fused loss"] if cfg.fused_loss and supports_chunked_loss(model) else []
-    if cfg.liger and device.type == "cuda":
+    if liger:
         if liger_available():
             done += [f"Liger {', '.join(k)}" for k in [apply_liger(model)] if k]
         else:
@@ -625,7 +653,7 @@ def _any_process(accelerator, flag: bool) -> bool:
 
 
 def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: int, pad_id: int,
-                loss_fn: LossFn = loss_sum) -> float:
+                loss_fn: LossFn = loss_sum, graphed: bool = False) -> float:
     """Forward and backward one optimizer step's examples in micro-batches; returns the step's loss."""
     micro = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
     device = accelerator.device
@@ -642,6 +670,8 @@ def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: i
             s, _ = loss_fn(model, batch)
             loss = s / n_tokens
             accelerator.backward(loss)
+        if graphed and i < len(micro) - 1:
+            own_gradients(model)
         parts.append(loss.detach().float())
     return sum(torch.stack(parts).tolist())
 
