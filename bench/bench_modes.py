@@ -1,6 +1,7 @@
 """The training modes side by side: LoRA, QLoRA (nf4 / int4 / int8 base), DoRA and full fine-tuning.
 
-    python bench/bench_modes.py quality [--device cpu] [--steps 60] [--modes lora,qlora-nf4,dora,full]
+    python bench/bench_modes.py quality [--device cpu] [--steps 60] [--modes lora,qlora-nf4,dora,full] [--loftq]
+                                        [--nf4-block 32] [--targets all-linear] [--lr 4e-3]
     python bench/bench_modes.py memory --device cuda --shape meta-llama/Llama-3.1-8B [--modes qlora-nf4,lora]
 
 quality: the demo's data and settings (the built-in SmolLM2-135M and Shakespeare, seq 256, micro-batch 4, LoRA r8
@@ -39,6 +40,11 @@ MODES = {  # name -> TrainConfig changes
 
 
 def quality(args) -> None:
+    import torch
+
+    import tunesmith.lora
+    import tunesmith.qlora
+    import tunesmith.train
     from tunesmith.config import DemoConfig, TrainConfig, fields_of
     from tunesmith.data import load_data
     from tunesmith.device import resolve_device
@@ -54,7 +60,17 @@ def quality(args) -> None:
         lr = args.full_lr if changes.get("fine_tune_type") == "full" else args.lr or demo.lr
         if args.targets:
             changes["lora_targets"] = args.targets.split(",")
-        model, tok = load_model(demo.model, device, quantize_base=changes.get("quantize_base", "none"))
+        scheme = changes.get("quantize_base", "none")
+        if args.nf4_block:
+            tunesmith.qlora.NF4_BLOCK = args.nf4_block
+        if args.loftq and scheme != "none":  # the full-precision weights are needed once more, after quantizing
+            model, tok = load_model(demo.model, device)
+            originals = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()}
+            tunesmith.qlora.quantize_base(model, scheme)
+        else:
+            model, tok = load_model(demo.model, device, quantize_base=scheme)
+            originals = None
         data = load_data(demo.data, tok, demo.seq_len, demo.val_fraction)
         before = evaluate(model, data.valid, demo.batch_size, demo.eval_batches, tok.pad_token_id).perplexity
         cfg = TrainConfig(**{f.name: getattr(demo, f.name) for f in fields_of(TrainConfig)})
@@ -62,10 +78,11 @@ def quality(args) -> None:
                                   min_steps=0, eval_every=0, device=str(device), precision="fp32",
                                   checkpoint_every=0, lr=lr, **changes)
         t = time.perf_counter()
+        tunesmith.train.attach_lora = _loftq_attach(originals) if originals else tunesmith.lora.attach_lora
         # quantize_base on an injected model quantizes in place: already done by load_model here, so a no-op
         r = train(cfg, model=model, tokenizer=tok, data=data, progress=False)
         after = r.evals[-1][1].perplexity
-        row = {"mode": mode, "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
+        row = {"mode": mode, "loftq": bool(originals), "nf4_block": args.nf4_block or None, "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
                "drop": 1 - after / before, "trainable": r.trainable_params, "seconds": time.perf_counter() - t,
                "tokens_per_s": r.tokens / r.seconds, "losses": r.losses}
         rows.append(row)
@@ -77,6 +94,30 @@ def quality(args) -> None:
     if ref:
         for r in rows:
             print(f"{r['mode']}: held-out perplexity {r['ppl_after']:.2f}, {r['ppl_after'] / ref - 1:+.1%} against LoRA")
+
+
+def _loftq_attach(originals: dict):
+    """attach_lora, then each adapter on a quantized layer starts as the top-r SVD of that layer's quantization
+    error (LoftQ with one iteration: the base stays the plain quantized weight), so that base + adapter starts
+    near the full-precision weight instead of at the quantized one."""
+    import torch
+
+    from tunesmith.lora import attach_lora
+    from tunesmith.qlora import QuantLinear
+
+    def attach(model, *a, **k):
+        peft_model = attach_lora(model, *a, **k)
+        for name, m in peft_model.named_modules():
+            if isinstance(getattr(m, "base_layer", None), QuantLinear) and "default" in m.lora_A:
+                residual = originals[name.removeprefix("base_model.model.")].float() - m.base_layer.dequantize(
+                    torch.float32)
+                u, s, vh = torch.linalg.svd(residual, full_matrices=False)
+                r, root = m.r["default"], s[: m.r["default"]].sqrt() / m.scaling["default"] ** 0.5
+                m.lora_B["default"].weight.data.copy_(u[:, :r] * root)
+                m.lora_A["default"].weight.data.copy_(root[:, None] * vh[:r])
+        return peft_model
+
+    return attach
 
 
 # --------------------------------------------------------------------------------------------------- memory
@@ -197,6 +238,9 @@ def main() -> None:
     ap.add_argument("--full-lr", type=float, default=1e-4)
     ap.add_argument("--lr", type=float, default=0.0, help="quality: the adapters' learning rate (default: the demo's)")
     ap.add_argument("--targets", default="", help="quality: LoRA targets (default: the demo's q_proj,v_proj)")
+    ap.add_argument("--loftq", action="store_true",
+                    help="quality: QLoRA adapters start from the SVD of the quantization error (LoftQ, 1 iteration)")
+    ap.add_argument("--nf4-block", type=int, default=0, help="quality: nf4 block size (default: torchao's 64)")
     ap.add_argument("--shape", default="meta-llama/Llama-3.1-8B")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)

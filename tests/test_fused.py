@@ -218,6 +218,8 @@ def test_training_builds_no_kv_cache(tmp_path, tiny_dir, text_file, monkeypatch,
     ({}, "cuda", 2, True, (False, False, True)),  # FSDP2 stays eager
     ({"gradient_checkpointing": True}, "cuda", 1, False, (True, False, True)),
     ({"quantize_base": "nf4"}, "cuda", 1, False, (True, False, True)),
+    ({"fine_tune_type": "dora"}, "cuda", 1, False, (True, False, True)),
+    ({"fine_tune_type": "full", "cuda_graphs": "on"}, "cuda", 1, False, (True, True, False)),
     ({"cuda_graphs": "off"}, "cuda", 1, False, (True, False, True)),
     ({"cuda_graphs": "off", "liger": False}, "cuda", 1, False, (True, False, False)),
     ({"cuda_graphs": "on"}, "cuda", 2, False, (True, True, False)),

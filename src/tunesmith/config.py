@@ -239,7 +239,7 @@ class TrainConfig(DataConfig, ModelConfig):
     cuda_graphs: str = opt("auto", "replay each compiled decoder layer as a CUDA graph (torch.compile's reduce-overhead "
                            "mode): one launch instead of dozens, which is what bounds a small model's step; Liger's "
                            "kernels give way to the compiler's own fusions there. auto: on where layers are compiled "
-                           "on one CUDA GPU, without gradient checkpointing or a quantized base; on; off", choices=["auto", "on", "off"])
+                           "on one CUDA GPU for LoRA, without gradient checkpointing or a quantized base; on; off", choices=["auto", "on", "off"])
     fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",
