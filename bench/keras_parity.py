@@ -2,6 +2,7 @@
 
     python bench/keras_parity.py --model runs/x/merged [--backends jax,tensorflow] [--prompts 3] [--max-tokens 32]
                                  [--data shakespeare] [--seq-len 128] [--blocks 4] [--export-dir DIR]
+                                 [--torch-variants]
 
 Per backend, in a child process each (keras_worker.py):
   fp32: greedy generations (KerasHub's cached generate) equal PyTorch's for --max-tokens on --prompts prompts;
@@ -48,6 +49,23 @@ def torch_block_logits(model_dir: Path, precision: str, examples) -> list:
     return [_logits(model, list(ids)) for ids, _ in examples]
 
 
+def torch_variants(model_dir: Path, examples, ref_fp32: torch.Tensor, ref_bf16: torch.Tensor) -> None:
+    """For scale: how often PyTorch itself keeps fp32's top-1 token in bf16, under bf16 autocast (bf16 products;
+    norms, softmax and the residual stream in fp32), and with bf16 weights but fp32 compute."""
+    from tunesmith.models import load_model
+    from tunesmith.parity import _logits
+
+    model, _ = load_model(str(model_dir), "cpu", torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = torch.cat([_logits(model, list(ids)).float() for ids, _ in examples])
+    for p in model.parameters():
+        p.data = p.data.bfloat16().float()
+    weights_only = torch.cat([_logits(model, list(ids)) for ids, _ in examples])
+    top1 = lambda ref, out: compare_logits(ref, out)["top1_agreement"]  # noqa: E731
+    print(f"PyTorch top-1 against its own fp32: bf16 {top1(ref_fp32, ref_bf16):.2%}, bf16 autocast "
+          f"{top1(ref_fp32, autocast):.2%}, bf16 weights with fp32 compute {top1(ref_fp32, weights_only):.2%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a merged HF folder (tunesmith merge)")
@@ -58,6 +76,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--export-dir", default="")
+    ap.add_argument("--torch-variants", action="store_true",
+                    help="also: PyTorch's own bf16 variants (autocast, bf16 weights) against its fp32")
     args = ap.parse_args()
     model_dir = Path(args.model)
     tokenizer = load_tokenizer(str(model_dir))
@@ -73,8 +93,10 @@ def main() -> None:
     ppl_torch = perplexity(ref_blocks, examples)
     print(f"PyTorch: {time.perf_counter() - t:.0f}s; perplexity {ppl_torch:.4f} on {len(blocks)} blocks ({positions} "
           "positions)")
+    if args.torch_variants:
+        torch_variants(model_dir, examples, torch.cat(ref_blocks), torch.cat(ref_bf16))
     rows = []
-    for backend in args.backends.split(","):
+    for backend in filter(None, args.backends.split(",")):
         t = time.perf_counter()
         fp32 = K.run_worker(backend, K.hf_request(model_dir, "fp32", tokenizer, sequences=ref.sequences + blocks,
                                                   prompts=prompts, max_tokens=args.max_tokens))
