@@ -80,6 +80,7 @@ def test_bf16_refused_on_old_macos_names_the_gate(mac):
 
 def test_cpu_precisions():
     assert D.resolve_precision(CPU, "auto") == "fp32"
+    assert D.resolve_precision(CPU, "auto", training=True) == "fp32"  # the tests pin it (conftest)
     assert D.resolve_precision(CPU, "bf16") == "bf16"
     with pytest.raises(TunesmithError, match="fp16 training is not supported on the CPU"):
         D.resolve_precision(CPU, "fp16")
@@ -166,7 +167,7 @@ def test_trainer_sets_the_fallback_before_its_first_mps_op_and_says_so(monkeypat
 
     seen = []
 
-    def first_mps_op(device, requested):  # resolve_precision probes bf16 with an MPS tensor
+    def first_mps_op(device, requested, training=False):  # resolve_precision probes bf16 with an MPS tensor
         seen.append(os.environ.get(D.MPS_FALLBACK))
         raise Stop
 
@@ -215,3 +216,31 @@ def test_free_memory_empties_the_mps_cache(monkeypatch):
     monkeypatch.setattr(torch.mps, "empty_cache", lambda: calls.append("mps"))
     D.free_memory(MPS)
     assert calls == ["mps"]
+
+
+@pytest.mark.parametrize(("speedup", "expected"), [(3.0, "bf16"), (1.5, "bf16"), (1.2, "fp32"), (0.55, "fp32")])
+def test_training_on_the_cpu_takes_bf16_where_this_cpu_multiplies_it_clearly_faster(monkeypatch, speedup, expected):
+    monkeypatch.delenv(D.CPU_PRECISION_ENV, raising=False)
+    monkeypatch.setattr(D, "cpu_bf16_speedup", lambda: speedup)
+    assert D.resolve_precision(CPU, "auto", training=True) == expected
+    assert D.resolve_precision(CPU, "auto") == "fp32"  # generation, evaluation, serving: fp32 as before
+    assert D.resolve_precision(CPU, "fp32", training=True) == "fp32"  # asked for: never overridden
+    monkeypatch.setenv(D.CPU_PRECISION_ENV, "bf16")
+    assert D.resolve_precision(CPU, "auto", training=True) == "bf16"
+    monkeypatch.setenv(D.CPU_PRECISION_ENV, "fp16")
+    with pytest.raises(TunesmithError, match="TUNESMITH_CPU_TRAIN_PRECISION='fp16': use fp32 or bf16"):
+        D.resolve_precision(CPU, "auto", training=True)
+
+
+def test_the_cpu_bf16_speed_is_measured_once_and_kept_in_the_cache(monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setenv("TUNESMITH_CACHE", str(tmp_path))
+    first = D.cpu_bf16_speedup()
+    assert first > 0
+    (key, value), = json.loads((tmp_path / "cpu-bf16.json").read_text()).items()
+    assert value == first and f"torch {torch.__version__}" in key
+    (tmp_path / "cpu-bf16.json").write_text(json.dumps({key: 9.0}))
+    assert D.cpu_bf16_speedup() == 9.0  # read back, not measured again
+    (tmp_path / "cpu-bf16.json").write_text("not json")
+    assert D.cpu_bf16_speedup() > 0  # a damaged cache is measured over

@@ -188,12 +188,78 @@ def capabilities(device: torch.device) -> Capabilities:
                         mps_fallback_enabled())
 
 
-def resolve_precision(device: torch.device, requested: str = "auto") -> str:
-    """auto: bf16 where supported, else fp16 (with loss scaling), else fp32. CPU stays fp32 (faster there)."""
+CPU_BF16_MIN_SPEEDUP = 1.5  # bf16 products at least this many times as fast as fp32: training on the CPU takes bf16
+CPU_PRECISION_ENV = "TUNESMITH_CPU_TRAIN_PRECISION"  # fp32 or bf16: what `auto` trains in on the CPU, unmeasured
+
+
+def cpu_bf16_speedup() -> float:
+    """How many times as fast this CPU multiplies bf16 matrices as fp32 ones, measured once per CPU model, torch
+    version and thread count (well under a second) and kept in the cache folder.
+
+    CPUs differ both ways: an AMD EPYC with AVX512-BF16 ran a training step's products 2.5-3.5x as fast in bf16,
+    an Intel Xeon with AVX512-BF16 but no AMX 0.55x (docs/PERFORMANCE.md), so this is measured, not read from flags."""
+    import json
+    import time
+
+    from tunesmith.storage import cache_dir
+
+    key = f"{_cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    path = cache_dir() / "cpu-bf16.json"
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), (int, float)):
+        return float(known[key])
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(1024, 1024, generator=g).to(dtype) for _ in range(2))
+        a @ b  # the first call sets up the kernel
+        best = float("inf")
+        for _ in range(5):  # the best of 5: a busy machine slows some repeats, not the kernel
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        seconds[dtype] = best
+    speedup = seconds[torch.float32] / seconds[torch.bfloat16]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: speedup}), encoding="utf-8")
+    except OSError:
+        pass  # an unwritable cache only means measuring again next time
+    return speedup
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_training_precision() -> str:
+    """What `--precision auto` trains in on the CPU: bf16 where this CPU multiplies bf16 at least
+    CPU_BF16_MIN_SPEEDUP times as fast as fp32, else fp32 (TUNESMITH_CPU_TRAIN_PRECISION=fp32|bf16 decides instead)."""
+    forced = os.environ.get(CPU_PRECISION_ENV, "").strip().lower()
+    if forced:
+        if forced not in ("fp32", "bf16"):
+            raise TunesmithError(f"{CPU_PRECISION_ENV}={forced!r}: use fp32 or bf16 (or unset it to measure)")
+        return forced
+    return "bf16" if cpu_bf16_speedup() >= CPU_BF16_MIN_SPEEDUP else "fp32"
+
+
+def resolve_precision(device: torch.device, requested: str = "auto", training: bool = False) -> str:
+    """auto: bf16 where supported, else fp16 (with loss scaling), else fp32. On the CPU: fp32, except training
+    (`training`) on a CPU whose bf16 products are clearly faster (cpu_training_precision)."""
     requested = (requested or "auto").lower()
     if requested == "auto":
         if device.type == "cpu":
-            return "fp32"
+            return cpu_training_precision() if training else "fp32"
         return "bf16" if supports_bf16(device) else "fp16"
     if requested not in PRECISIONS:
         raise TunesmithError(f"unknown precision {requested!r}; use auto, fp32, bf16 or fp16")

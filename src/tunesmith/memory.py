@@ -730,7 +730,7 @@ def fit_from_config(cfg, console=None) -> FitPlan:
     from tunesmith.device import capabilities, resolve_device, resolve_precision
 
     device = resolve_device(cfg.device)
-    precision = resolve_precision(device, cfg.precision)
+    precision = resolve_precision(device, cfg.precision, training=True)
     world = max(1, cfg.gpus)
     p = plan_run(cfg, device, precision, memory_gib=cfg.memory_gib, world=world)
     line = capabilities(device).summary()

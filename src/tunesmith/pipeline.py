@@ -52,7 +52,7 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "demo-config.yaml")
     device = resolve_device(cfg.device)
-    precision = resolve_precision(device, cfg.precision)
+    precision = resolve_precision(device, cfg.precision, training=True)
 
     console.print(f"[bold]tunesmith demo[/] -> {run_dir}  (device {device}, {precision})")
     t = time.perf_counter()

@@ -297,7 +297,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         raise TunesmithError("--quantize-base with --strategy fsdp: a quantized base is not sharded; use "
                              "--strategy ddp (each GPU holds the small quantized base), or drop --quantize-base")
     fast_paths(cfg, device.type, 1, fsdp)  # --cuda-graphs on where it cannot be: refused before anything is written
-    precision = resolve_precision(device, cfg.precision)
+    precision = resolve_precision(device, cfg.precision, training=True)
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
     # A process that dies leaves the others waiting at the next collective: the timeout turns that wait into an
