@@ -13,6 +13,7 @@ quantizers (kquant.py). Anything else is a TunesmithError that says what is unsu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -76,7 +77,6 @@ def export(
     (token blocks): q8_0 / q4_0 / q4_0_mixed decoder weights by GPTQ on them; None or empty: round to nearest.
     GPTQ (minutes on a CPU) and the tensors being written show progress bars on stderr unless `progress` is False.
     """
-    import gguf
 
     from tunesmith.progress import steps
 
@@ -96,12 +96,7 @@ def export(
         if plan is not None:
             method += "; the k-quant matrices rounded to nearest"
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    writer = gguf.GGUFWriter(
-        tmp, SUPPORTED_MODEL_TYPES[config.model_type], use_temp_file=True
-    )  # spools to disk
-    try:
+    with gguf_file(path, SUPPORTED_MODEL_TYPES[config.model_type], use_temp_file=True) as writer:  # spools to disk
         _add_hparams(writer, config, qname, path.stem)
         if qname.startswith("q"):
             writer.add_string(METHOD_KEY, method)
@@ -110,6 +105,20 @@ def export(
             for name, data, qtype in _tensors(model_dir, config, qname, chosen, plan):
                 writer.add_tensor(name, data, raw_dtype=qtype)
                 advance()
+    return path
+
+
+@contextlib.contextmanager
+def gguf_file(path: Path, arch: str, **options):
+    """A GGUFWriter for `path`: what the block adds is written when it ends, to a .partial file renamed into place
+    (a reader never sees half a file); an error inside removes the partial file."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(tmp, arch, **options)
+    try:
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -118,8 +127,7 @@ def export(
         tmp.unlink(missing_ok=True)
         raise
     writer.close()
-    os.replace(tmp, path)  # a reader never sees half a file
-    return path
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -575,10 +583,7 @@ def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
     if peft.get("use_rslora"):
         alpha *= rank**0.5  # llama.cpp scales by alpha / r; rsLoRA meant alpha / sqrt(r)
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / "adapter.gguf"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    writer = gguf.GGUFWriter(tmp, SUPPORTED_MODEL_TYPES[config.model_type])
-    try:
+    with gguf_file(path, SUPPORTED_MODEL_TYPES[config.model_type]) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_name(f"{folder.name} (LoRA)")
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -594,13 +599,4 @@ def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
             if heads and m["ab"] == "B":
                 data = _permute(data, heads)
             writer.add_tensor(f"{base}.lora_{m['ab'].lower()}", np.ascontiguousarray(data))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    writer.close()
-    os.replace(tmp, path)
     return path
