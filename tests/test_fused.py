@@ -1,5 +1,6 @@
 """The trainer's fast paths against the plain ones they replace."""
 
+import contextlib
 import json
 import math
 import sys
@@ -97,9 +98,9 @@ def test_under_bf16_autocast_the_chunked_loss_stays_close(tokenizer):
 def test_fifty_steps_with_the_fused_loss_follow_the_plain_losses(tmp_path, tiny_dir, text_file):
     """Acceptance: the optimized path's 50 losses within 1% of the plain path's (same seed, same data)."""
     runs = {}
-    for name, on in (("plain", False), ("fused", True)):
+    for name, on in (("plain", False), ("fused", True)):  # the fused loss and the fused LoRA layers, or neither
         cfg = tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / name), max_steps=50,
-                                fused_loss=on, lora_dropout=0.05, lr=5e-3)
+                                fused_loss=on, fused_lora="on" if on else "off", lora_dropout=0.05, lr=5e-3)
         runs[name] = train(cfg, progress=False).losses
     assert len(runs["fused"]) == 50
     assert runs["fused"] == pytest.approx(runs["plain"], rel=1e-2)
@@ -292,3 +293,104 @@ def test_gradients_leave_the_graph_pool_between_micro_batches_only(tokenizer, mo
     plain = T._accumulate(model, acc, examples, 1, 60, 0, loss_sum, graphed=False)
     assert len(calls) == 3 and graphed == plain
     assert all(torch.equal(p.grad, q) for p, q in zip(params, grads, strict=True))
+
+
+# ------------------------------------------------------------------------------------------------ fused LoRA
+
+
+def _lora_pair(tokenizer, dropout=0.0, targets=("all-linear",), dtype=torch.float32):
+    """Two copies of one tiny Llama with the same LoRA adapters (B not zero, so the low-rank path counts): the
+    second with the fused forward."""
+    models = []
+    for _ in range(2):
+        model = attach_lora(make_model(tokenizer).to(dtype), rank=4, alpha=8, dropout=dropout, targets=list(targets))
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+        models.append(model)
+    assert fused.fuse_lora(models[1]) == (14 if targets == ("all-linear",) else 4)
+    return models
+
+
+def _grads(model, batch, seed=0, autocast=None):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks in both
+    with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+        loss, _ = loss_sum(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fused_lora_gives_peft_s_loss_and_gradients(tokenizer, dropout):
+    plain, fast = _lora_pair(tokenizer, dropout=dropout)
+    batch = _batch(tokenizer)
+    ref_loss, ref = _grads(plain, batch)
+    got_loss, got = _grads(fast, batch)
+    assert got_loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert set(got) == set(ref) and len(ref) == 28  # A and B of 7 linears x 2 layers
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the fused path is what ran: its backward node, not PEFT's add
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    q = fast.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(q(x).grad_fn).__name__ == "_LoraLinearBackward"
+
+
+def test_fused_lora_under_bf16_autocast_follows_peft_s(tokenizer):
+    plain, fast = _lora_pair(tokenizer)
+    batch = _batch(tokenizer)
+    ref_loss, ref = _grads(plain, batch, autocast=torch.bfloat16)
+    got_loss, got = _grads(fast, batch, autocast=torch.bfloat16)
+    assert got_loss.item() == pytest.approx(ref_loss.item(), rel=1e-2)
+    for name in ref:
+        assert got[name].dtype == torch.float32  # fp32 LoRA weights keep fp32 gradients
+        cos = F.cosine_similarity(got[name].flatten(), ref[name].flatten(), dim=0)
+        assert cos > 0.99, name
+
+
+def test_fused_lora_gives_way_where_it_does_not_apply(tokenizer):
+    plain, fast = _lora_pair(tokenizer, targets=("q_proj", "v_proj"))
+    ids = {k: v for k, v in _batch(tokenizer).items() if k in ("input_ids", "attention_mask")}
+    q = fast.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        adapted = fast(**ids).logits
+        torch.testing.assert_close(adapted, plain(**ids).logits, rtol=1e-5, atol=1e-5)
+        with fast.disable_adapter(), plain.disable_adapter():  # adapters off: the base layers alone
+            torch.testing.assert_close(q(x), q.base_layer(x))
+            base = fast(**ids).logits
+            torch.testing.assert_close(base, plain(**ids).logits)
+        assert (adapted - base).abs().max() > 1e-3  # the adapters do count when on
+    # fp16 weights outside autocast with fp32 adapters: mixed dtypes, PEFT's own path (which casts)
+    q.base_layer.to(torch.float16)
+    y = q(x.half().requires_grad_())
+    assert type(y.grad_fn).__name__ != "_LoraLinearBackward"
+
+
+def test_dora_and_a_quantized_base_are_not_routed_through_the_fused_lora(tokenizer):
+    pytest.importorskip("torchao")
+    from tunesmith.qlora import quantize_base
+
+    dora = attach_lora(make_model(tokenizer), rank=4, alpha=8, dropout=0.0, targets=["q_proj"], dora=True)
+    qlora = attach_lora(quantize_base(make_model(tokenizer), "int8"), rank=4, alpha=8, dropout=0.0,
+                        targets=["q_proj"])
+    assert fused.fuse_lora(qlora) == 0  # a quantized base layer is not a torch Linear
+    fused.fuse_lora(dora)
+    x = torch.randn(1, 2, 64, requires_grad=True)
+    for model in (dora, qlora):
+        q = model.base_model.model.model.layers[0].self_attn.q_proj
+        assert type(q(x).grad_fn).__name__ != "_LoraLinearBackward"
+
+
+def test_train_reports_the_fused_lora_and_its_switch_turns_it_off(tmp_path, tiny_dir, text_file, capsys):
+    on = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "on"), max_steps=2),
+               progress=True)  # auto, on the CPU with eager layers: on
+    assert "fused LoRA" in "".join(capsys.readouterr())
+    off = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "off"), max_steps=2,
+                                  fused_lora="off"), progress=True)
+    assert "fused LoRA" not in "".join(capsys.readouterr())
+    assert on.losses == pytest.approx(off.losses, rel=1e-5)
+

@@ -241,6 +241,11 @@ class TrainConfig(DataConfig, ModelConfig):
                            "mode): one launch instead of dozens, which is what bounds a small model's step; Liger's "
                            "kernels give way to the compiler's own fusions there. auto: on where layers are compiled "
                            "on one CUDA GPU for LoRA, without gradient checkpointing or a quantized base; on; off", choices=["auto", "on", "off"])
+    fused_lora: str = opt("auto", "each LoRA layer adds its low-rank product into the base layer's output (and its "
+                          "input gradient) in place, instead of building, scaling and adding a full-size tensor. "
+                          "auto: on where the layers run eagerly (CPU, MPS, --compile off), off in compiled layers, "
+                          "whose compiler fuses PEFT's own path faster; on; off (PEFT's own forward)",
+                          choices=["auto", "on", "off"])
     fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",

@@ -71,6 +71,7 @@ from tunesmith.fused import (
     chunked_loss_sum,
     compile_layers,
     eager_layers,
+    fuse_lora,
     liger_available,
     own_gradients,
     supports_chunked_loss,
@@ -347,6 +348,9 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
                             dora=cfg.fine_tune_type == "dora", num_layers=cfg.num_layers)
         kernels += ["DoRA"] if cfg.fine_tune_type == "dora" else []
+        fuse = cfg.fused_lora == "on" or (cfg.fused_lora == "auto" and not compiled)
+        if fuse and cfg.fine_tune_type == "lora" and not fsdp and fuse_lora(model):
+            kernels.append("fused LoRA")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
