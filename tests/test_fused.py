@@ -394,3 +394,38 @@ def test_train_reports_the_fused_lora_and_its_switch_turns_it_off(tmp_path, tiny
     assert "fused LoRA" not in "".join(capsys.readouterr())
     assert on.losses == pytest.approx(off.losses, rel=1e-5)
 
+
+def test_the_liger_loss_is_chosen_on_cuda_with_liger_installed_and_not_under_fsdp(tokenizer, monkeypatch):
+    from tunesmith import train as T
+    from tunesmith.config import TrainConfig
+
+    model = make_model(tokenizer)
+    monkeypatch.setattr(T, "liger_available", lambda: True)
+    cfg = TrainConfig(model="m", output="o")
+    assert T.uses_liger_loss(cfg, "cuda", False, model)
+    assert not T.uses_liger_loss(cfg, "cpu", False, model)
+    assert not T.uses_liger_loss(cfg, "mps", False, model)
+    assert not T.uses_liger_loss(cfg, "cuda", True, model)  # FSDP2
+    assert not T.uses_liger_loss(TrainConfig(model="m", output="o", liger=False), "cuda", False, model)
+    assert not T.uses_liger_loss(TrainConfig(model="m", output="o", fused_loss=False), "cuda", False, model)
+    monkeypatch.setattr(T, "liger_available", lambda: False)
+    assert not T.uses_liger_loss(cfg, "cuda", False, model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's Triton kernels run on CUDA")
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_liger_s_linear_cross_entropy_equals_the_chunked_one_on_cuda(softcap):
+    pytest.importorskip("liger_kernel")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(300, 64, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(5000, 64, device="cuda", generator=g, dtype=torch.bfloat16) * 0.3
+    targets = torch.randint(0, 5000, (300,), device="cuda", generator=g)
+    ref = fused.linear_cross_entropy_sum(hidden, weight, targets, softcap)
+    (ref * 0.5).backward()
+    ref_h, hidden.grad = hidden.grad.clone(), None
+    got = fused.linear_cross_entropy_sum(hidden, weight, targets, softcap, liger=True)
+    (got * 0.5).backward()
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(ref.item(), rel=1e-3)
+    cos = F.cosine_similarity(hidden.grad.float().flatten(), ref_h.float().flatten(), dim=0)
+    assert cos > 0.999

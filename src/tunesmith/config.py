@@ -233,8 +233,9 @@ class TrainConfig(DataConfig, ModelConfig):
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
     fused_loss: bool = opt(True, "cross-entropy a few hundred tokens at a time, gradient included, never holding the "
                            "whole [batch, seq, vocab] logits (--no-fused-loss: the plain path)")
-    liger: bool = opt(True, "on CUDA, Liger Kernel's Triton RMSNorm, SwiGLU and RoPE for Llama-family models, where "
-                      "liger-kernel is installed (pip install 'tunesmith[cuda]')")
+    liger: bool = opt(True, "on CUDA, Liger Kernel's Triton RMSNorm, SwiGLU and RoPE for Llama-family models, and its "
+                      "fused linear cross-entropy for the fused loss, where liger-kernel is installed (pip install "
+                      "'tunesmith[cuda]')")
     compile: str = opt("auto", "torch.compile each decoder layer (regional: the first compiles, the rest reuse it): "
                        "auto (on CUDA), on, off", choices=["auto", "on", "off"])
     cuda_graphs: str = opt("auto", "replay each compiled decoder layer as a CUDA graph (torch.compile's reduce-overhead "

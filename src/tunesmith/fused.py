@@ -53,8 +53,10 @@ def _forward_params(module) -> set[str]:
     return set(inspect.signature(module.forward).parameters)
 
 
-def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """evaluate.loss_sum without the full-vocabulary logits: the same value and gradients (to rounding)."""
+def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                     liger: bool = False) -> tuple[torch.Tensor, int]:
+    """evaluate.loss_sum without the full-vocabulary logits: the same value and gradients (to rounding). `liger`:
+    through Liger's kernel on CUDA (see linear_cross_entropy_sum)."""
     lm = causal_lm(model)
     head, decoder = lm.get_output_embeddings(), lm.get_decoder()
     captured: list[torch.Tensor] = []
@@ -75,7 +77,7 @@ def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     hidden = captured[0][:, :-1][keep_rows]  # [supervised tokens, hidden]
     targets = labels[keep_rows]
     softcap = getattr(lm.config, "final_logit_softcapping", None) or 0.0
-    loss = linear_cross_entropy_sum(hidden, head.weight, targets, softcap)
+    loss = linear_cross_entropy_sum(hidden, head.weight, targets, softcap, liger=liger)
     if hasattr(head, "reshard") and not head.weight.requires_grad:
         # FSDP2 keeps the output layer's gathered weight until the backward pass is done with it; a frozen head's
         # part of the backward is already computed here, so its whole weight goes back to its shards now.
@@ -89,9 +91,21 @@ def chunk_rows(device_type: str, vocab: int) -> int:
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             softcap: float = 0.0, rows: int | None = None) -> torch.Tensor:
+                             softcap: float = 0.0, rows: int | None = None, liger: bool = False) -> torch.Tensor:
     """sum over rows of cross_entropy(hidden @ weight.T, targets), in row chunks; logits in float32 (as the plain
-    path upcasts them), softcapped as cap * tanh(logits / cap) when `softcap` > 0."""
+    path upcasts them), softcapped as cap * tanh(logits / cap) when `softcap` > 0.
+
+    `liger` (CUDA tensors only): Liger Kernel's fused linear cross-entropy instead, the same computation with each
+    chunk's logits kept in the compute dtype and turned into loss and gradient by one Triton kernel, in place (the
+    softmax in float32 inside it): on an H200, 1.11x the tokens/s of the whole Llama-3.2-1B training step."""
+    if liger and hidden.is_cuda and hidden.shape[0] > 0:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        if torch.is_autocast_enabled(hidden.device.type):
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+        return liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum",
+                                                softcap=softcap or None).float()
     if rows is None:
         rows = chunk_rows(hidden.device.type, weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, targets, float(softcap), int(rows))

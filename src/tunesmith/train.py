@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +243,8 @@ def train(
                              trainable_params=trainable_parameters(run.model),
                              losses=[r["loss"] for r in run.log.rows if r.get("kind") == "train"])
         if loss is None:  # the fused loss where the model allows it; the plain one is the reference
-            loss = chunked_loss_sum if cfg.fused_loss and supports_chunked_loss(run.model) else loss_sum
+            loss = (partial(chunked_loss_sum, liger=run.liger_loss) if cfg.fused_loss
+                    and supports_chunked_loss(run.model) else loss_sum)
         try:
             train_loop(cfg, run, result, loss, callback, progress and run.accelerator.is_main_process)
         except Exception as e:
@@ -278,6 +280,7 @@ class Run:
     log: RunLog  # metrics.jsonl, open (and on resume already cut back to the checkpoint's step)
     say: Callable[[str], None]  # a note on stderr, from the main process only
     graphed: bool = False  # the decoder layers replay as CUDA graphs
+    liger_loss: bool = False  # the fused loss through Liger's fused linear cross-entropy kernel
 
 
 def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
@@ -339,6 +342,9 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
 
     compiled, graphs, liger = fast_paths(cfg, device.type, world, fsdp)
     kernels = _kernels(cfg, device, model, say, liger)
+    liger_loss = uses_liger_loss(cfg, device.type, fsdp, model)
+    if liger_loss:
+        kernels[kernels.index("fused loss")] = "fused loss (Liger's kernel)"
     kernels += [f"{cfg.quantize_base} base"] if cfg.quantize_base != "none" else []
     set_seed(cfg.seed)  # LoRA init draws from the RNG: same seed, same adapter
     if cfg.fine_tune_type == "full":
@@ -405,7 +411,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         batch_size = min(batch_size, state.batch_size)
     batch_size = min(batch_size, per_step // world)
     return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
-               total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs)
+               total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs, liger_loss)
 
 
 def _examples_per_step(cfg: TrainConfig, ckpt: Checkpoint | None, batch_size: int, world: int, say) -> int:
@@ -609,6 +615,15 @@ def fast_paths(cfg: TrainConfig, device_type: str, world: int, fsdp: bool) -> tu
         or (cfg.cuda_graphs == "auto" and world == 1 and not cfg.gradient_checkpointing
             and cfg.quantize_base == "none" and cfg.fine_tune_type == "lora"))
     return compiled, graphs, cfg.liger and device_type == "cuda" and not graphs
+
+
+def uses_liger_loss(cfg: TrainConfig, device_type: str, fsdp: bool, model) -> bool:
+    """Whether the fused loss runs through Liger's fused linear cross-entropy (Triton: the logits of a chunk stay in
+    the compute dtype and one kernel turns them into the loss and their gradient in place) instead of the plain
+    PyTorch chunks: on CUDA with --liger and liger-kernel installed, not under FSDP2 (not measured there). It sits
+    outside the decoder layers, so CUDA graphs do not exclude it."""
+    return (cfg.fused_loss and cfg.liger and device_type == "cuda" and not fsdp and supports_chunked_loss(model)
+            and liger_available())
 
 
 def _kernels(cfg: TrainConfig, device: torch.device, model, say, liger: bool) -> list[str]:
