@@ -414,18 +414,21 @@ def test_the_liger_loss_is_chosen_on_cuda_with_liger_installed_and_not_under_fsd
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's Triton kernels run on CUDA")
 @pytest.mark.parametrize("softcap", [0.0, 3.0])
-def test_liger_s_linear_cross_entropy_equals_the_chunked_one_on_cuda(softcap):
+@pytest.mark.parametrize("train_head", [False, True])
+def test_liger_s_linear_cross_entropy_equals_the_chunked_one_on_cuda(softcap, train_head):
     pytest.importorskip("liger_kernel")
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(300, 64, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(5000, 64, device="cuda", generator=g, dtype=torch.bfloat16) * 0.3
+    weight = (torch.randn(5000, 64, device="cuda", generator=g, dtype=torch.bfloat16) * 0.3).requires_grad_(train_head)
     targets = torch.randint(0, 5000, (300,), device="cuda", generator=g)
     ref = fused.linear_cross_entropy_sum(hidden, weight, targets, softcap)
     (ref * 0.5).backward()
-    ref_h, hidden.grad = hidden.grad.clone(), None
+    ref_h, ref_w, hidden.grad, weight.grad = hidden.grad.clone(), weight.grad, None, None
     got = fused.linear_cross_entropy_sum(hidden, weight, targets, softcap, liger=True)
     (got * 0.5).backward()
     assert got.dtype == torch.float32
     assert got.item() == pytest.approx(ref.item(), rel=1e-3)
-    cos = F.cosine_similarity(hidden.grad.float().flatten(), ref_h.float().flatten(), dim=0)
-    assert cos > 0.999
+    pairs = [(hidden.grad, ref_h)] + ([(weight.grad, ref_w)] if train_head else [])
+    for a, b in pairs:
+        assert a.dtype == b.dtype
+        assert F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) > 0.999

@@ -104,8 +104,9 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
         if torch.is_autocast_enabled(hidden.device.type):
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
-        return liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum",
-                                                softcap=softcap or None).float()
+        # a trained output layer (full fine-tuning) sums its gradient over the chunks in float32, as the plain path does
+        return liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum", softcap=softcap or None,
+                                                accum_dtype=torch.float32 if weight.requires_grad else None).float()
     if rows is None:
         rows = chunk_rows(hidden.device.type, weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, targets, float(softcap), int(rows))
