@@ -364,6 +364,11 @@ def test_fused_lora_gives_way_where_it_does_not_apply(tokenizer):
             base = fast(**ids).logits
             torch.testing.assert_close(base, plain(**ids).logits)
         assert (adapted - base).abs().max() > 1e-3  # the adapters do count when on
+    # a dropout module PEFT does not make: PEFT's own forward applies it
+    q.lora_dropout["default"] = torch.nn.Sequential(torch.nn.Dropout(0.1))
+    assert type(q(x.requires_grad_()).grad_fn).__name__ != "_LoraLinearBackward"
+    q.lora_dropout["default"] = torch.nn.Identity()
+    assert type(q(x).grad_fn).__name__ == "_LoraLinearBackward"
     # fp16 weights outside autocast with fp32 adapters: mixed dtypes, PEFT's own path (which casts)
     q.base_layer.to(torch.float16)
     y = q(x.half().requires_grad_())
@@ -410,6 +415,10 @@ def test_the_liger_loss_is_chosen_on_cuda_with_liger_installed_and_not_under_fsd
     assert not T.uses_liger_loss(TrainConfig(model="m", output="o", fused_loss=False), "cuda", False, model)
     monkeypatch.setattr(T, "liger_available", lambda: False)
     assert not T.uses_liger_loss(cfg, "cuda", False, model)
+    # the start line says which loss runs
+    cpu = torch.device("cpu")
+    assert T._kernels(cfg, cpu, model, print, False, liger_loss=True) == ["fused loss (Liger's kernel)"]
+    assert T._kernels(cfg, cpu, model, print, False) == ["fused loss"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's Triton kernels run on CUDA")

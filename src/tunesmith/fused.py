@@ -230,7 +230,12 @@ def _fused_lora_forward(self, x, *args, **kwargs):
     else:
         return plain(self, x, *args, **kwargs)
     dropout = self.lora_dropout[name]
-    x_drop = dropout(x) if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0 else None
+    if isinstance(dropout, torch.nn.Dropout):
+        x_drop = dropout(x) if dropout.training and dropout.p > 0 else None
+    elif isinstance(dropout, torch.nn.Identity):
+        x_drop = None
+    else:  # a dropout PEFT did not make: its own forward applies it
+        return plain(self, x, *args, **kwargs)
     return _LoraLinear.apply(x, x_drop, base.weight, base.bias, lora_a.weight, lora_b.weight,
                              float(self.scaling[name]), dtype)
 
@@ -240,10 +245,8 @@ def fuse_lora(model: torch.nn.Module) -> int:
     other models keep PEFT's). Returns how many layers. Saving, merging and loading are PEFT's, unchanged."""
     from types import MethodType
 
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-    except ImportError:
-        return 0
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
     count = 0
     for module in model.modules():
         if type(module) is LoraLinear and type(module.base_layer) is torch.nn.Linear:

@@ -341,10 +341,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     compiled, graphs, liger = fast_paths(cfg, device.type, world, fsdp)
-    kernels = _kernels(cfg, device, model, say, liger)
     liger_loss = uses_liger_loss(cfg, device.type, fsdp, model)
-    if liger_loss:
-        kernels[kernels.index("fused loss")] = "fused loss (Liger's kernel)"
+    kernels = _kernels(cfg, device, model, say, liger, liger_loss)
     kernels += [f"{cfg.quantize_base} base"] if cfg.quantize_base != "none" else []
     set_seed(cfg.seed)  # LoRA init draws from the RNG: same seed, same adapter
     if cfg.fine_tune_type == "full":
@@ -626,10 +624,12 @@ def uses_liger_loss(cfg: TrainConfig, device_type: str, fsdp: bool, model) -> bo
             and liger_available())
 
 
-def _kernels(cfg: TrainConfig, device: torch.device, model, say, liger: bool) -> list[str]:
+def _kernels(cfg: TrainConfig, device: torch.device, model, say, liger: bool, liger_loss: bool = False) -> list[str]:
     """Liger's kernels where `fast_paths` chose them and they are installed; what the start line reports of the
-    fast paths."""
-    done = ["fused loss"] if cfg.fused_loss and supports_chunked_loss(model) else []
+    fast paths (`liger_loss`: the fused loss runs through Liger's kernel, see uses_liger_loss)."""
+    done = []
+    if cfg.fused_loss and supports_chunked_loss(model):
+        done.append("fused loss (Liger's kernel)" if liger_loss else "fused loss")
     if liger:
         if liger_available():
             done += [f"Liger {', '.join(k)}" for k in [apply_liger(model)] if k]

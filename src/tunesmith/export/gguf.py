@@ -77,7 +77,6 @@ def export(
     (token blocks): q8_0 / q4_0 / q4_0_mixed decoder weights by GPTQ on them; None or empty: round to nearest.
     GPTQ (minutes on a CPU) and the tensors being written show progress bars on stderr unless `progress` is False.
     """
-
     from tunesmith.progress import steps
 
     qname = check_quant(quant, group_size)
