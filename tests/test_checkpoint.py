@@ -2,6 +2,7 @@
 
 import errno
 import hashlib
+import importlib
 import json
 import signal
 from pathlib import Path
@@ -289,11 +290,34 @@ def _poison(model, steps: set[int], how) -> None:
     model.lm_head.register_forward_hook(hook)
 
 
+def _fused_adamw_on_the_cpu(monkeypatch) -> list:
+    """torch's fused AdamW (CUDA's default) on the CPU, where its kernel exists too: the run then takes the
+    guard's on-device skip (train._step_on_device), whose calls are counted."""
+    T = importlib.import_module("tunesmith.train")
+    step, calls = T._step_on_device, []
+
+    def fused(cfg, params, device):
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True), "fused AdamW"
+
+    def counted(*a):
+        calls.append(1)
+        return step(*a)
+
+    monkeypatch.setattr(T, "make_optimizer", fused)
+    monkeypatch.setattr(T, "_step_on_device", counted)
+    return calls
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-skip", "device-skip"])
 @pytest.mark.parametrize("how,loss", [(_inf_loss, "inf"), (_NanGrad.apply, None)])
-def test_a_non_finite_step_is_skipped_and_leaves_the_weights(tmp_path, text_file, tokenizer, how, loss):
+def test_a_non_finite_step_is_skipped_and_leaves_the_weights(tmp_path, text_file, tokenizer, how, loss, on_device,
+                                                             monkeypatch):
+    calls = _fused_adamw_on_the_cpu(monkeypatch) if on_device else None
     model = make_model(tokenizer)
     _poison(model, {3}, how)
     r = _injected(tmp_path, text_file, tokenizer, model=model, max_steps=5, fused_loss=False)
+    if on_device:
+        assert len(calls) == 5  # every step's verdict taken by the fused kernel
     root = r.run_dir / "checkpoints"
     after = {s: _weights(root / f"step-00000{s}") for s in (2, 3, 4)}
     assert _equal(after[3], after[2])  # weights after the bad step s equal those after s - 1

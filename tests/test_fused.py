@@ -61,14 +61,20 @@ def _batch(tokenizer):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def _with_host_rows(model, batch):
+    """chunked_loss_sum given the supervised rows found on the host, as train hands them on CUDA."""
+    return fused.chunked_loss_sum(model, {**batch, "rows": fused.supervised_rows(batch["labels"])})
+
+
+@pytest.mark.parametrize("rows", ["mask", "host"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_chunked_loss_sum_equals_loss_sum_on_a_lora_model(tokenizer, monkeypatch, tied):
+def test_chunked_loss_sum_equals_loss_sum_on_a_lora_model(tokenizer, monkeypatch, tied, rows):
     monkeypatch.setattr(fused, "DEFAULT_CHUNK_BYTES", 5 * len(tokenizer) * 4)  # 16 rows a chunk: several chunks
     model = attach_lora(make_model(tokenizer, tie_word_embeddings=tied), 4, 8, 0.0, ["q_proj", "v_proj"])
     assert fused.supports_chunked_loss(model)
     batch = _batch(tokenizer)
     grads = []
-    for fn in (loss_sum, fused.chunked_loss_sum):
+    for fn in (loss_sum, fused.chunked_loss_sum if rows == "mask" else _with_host_rows):
         model.zero_grad(set_to_none=True)
         total, n = fn(model, batch)
         (total / n).backward()
@@ -79,6 +85,17 @@ def test_chunked_loss_sum_equals_loss_sum_on_a_lora_model(tokenizer, monkeypatch
     assert ref_g.keys() == got_g.keys() and len(ref_g) == 8
     for k in ref_g:
         torch.testing.assert_close(got_g[k], ref_g[k], rtol=1e-4, atol=1e-7)
+
+
+def test_host_rows_of_a_batch_without_padding_select_nothing_and_give_the_same_loss(tokenizer):
+    model = attach_lora(make_model(tokenizer), 4, 8, 0.0, ["q_proj", "v_proj"])
+    batch = _batch(tokenizer)
+    batch["labels"] = batch["input_ids"].clone()  # every next token supervised
+    rows = fused.supervised_rows(batch["labels"])
+    assert rows.tolist() == list(range(3 * 11))
+    ref, ref_n = loss_sum(model, batch)
+    got, got_n = _with_host_rows(model, batch)
+    assert got_n == ref_n == 33 and got.item() == pytest.approx(ref.item(), rel=1e-6)
 
 
 def test_lora_on_the_output_layer_keeps_the_plain_loss(tokenizer):
@@ -291,7 +308,7 @@ def test_gradients_leave_the_graph_pool_between_micro_batches_only(tokenizer, mo
     model.zero_grad(set_to_none=True)
     assert len(calls) == 3  # 4 micro-batches: after the first three
     plain = T._accumulate(model, acc, examples, 1, 60, 0, loss_sum, graphed=False)
-    assert len(calls) == 3 and graphed == plain
+    assert len(calls) == 3 and float(graphed) == float(plain)
     assert all(torch.equal(p.grad, q) for p, q in zip(params, grads, strict=True))
 
 
@@ -441,3 +458,98 @@ def test_liger_s_linear_cross_entropy_equals_the_chunked_one_on_cuda(softcap, tr
     for a, b in pairs:
         assert a.dtype == b.dtype
         assert F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) > 0.999
+
+
+# ------------------------------------------------------------------------------------------------ fused q/k/v
+
+
+def _qkv_pair(tokenizer, dropout=0.0, targets=("all-linear",)):
+    """Two copies of one tiny Llama with the same LoRA adapters (B not zero): the second with fused q/k/v."""
+    models = []
+    for _ in range(2):
+        model = attach_lora(make_model(tokenizer), rank=4, alpha=8, dropout=dropout, targets=list(targets))
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+        models.append(model)
+    return models
+
+
+def _attn(model, i=0):
+    return model.base_model.model.model.layers[i].self_attn
+
+
+@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "k_proj", "v_proj"), ("q_proj", "v_proj")])
+def test_fused_qkv_gives_peft_s_loss_and_gradients(tokenizer, targets):
+    plain, fast = _qkv_pair(tokenizer, targets=targets)
+    assert fused.fuse_qkv(fast) == 2
+    attn = _attn(fast)
+    whole = attn.tunesmith_qkv_weight
+    assert whole.shape == (64 + 32 + 32, 64)  # 4 heads of 16 for q, 2 KV heads for k and v
+    for p in fused.QKV:  # the frozen weights are views into the joined one: no second copy
+        w = fused._holder(getattr(attn, p)).weight
+        assert w.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() and not w.requires_grad
+    batch = _batch(tokenizer)
+    ref_loss, ref = _grads(plain, batch)
+    got_loss, got = _grads(fast, batch)
+    assert got_loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert set(got) == set(ref) and len(ref) == {1: 28, 3: 12, 2: 8}[len(targets)]
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    # under bf16 autocast it follows PEFT's path as closely as two bf16 paths can
+    ref_loss, ref = _grads(plain, batch, autocast=torch.bfloat16)
+    got_loss, got = _grads(fast, batch, autocast=torch.bfloat16)
+    assert got_loss.item() == pytest.approx(ref_loss.item(), rel=1e-2)
+    for name in ref:
+        assert got[name].dtype == torch.float32
+        assert F.cosine_similarity(got[name].flatten(), ref[name].flatten(), dim=0) > 0.99, name
+
+
+def test_fused_qkv_is_what_runs_and_gives_way_where_it_does_not_apply(tokenizer, monkeypatch):
+    plain, fast = _qkv_pair(tokenizer)
+    fused.fuse_qkv(fast)
+    ids = {k: v for k, v in _batch(tokenizer).items() if k in ("input_ids", "attention_mask")}
+    calls = []
+    q = _attn(fast).q_proj
+    monkeypatch.setattr(q, "forward", lambda x, *a, **k: calls.append(1) or type(q).forward(q, x, *a, **k))
+    with torch.no_grad():
+        adapted = fast(**ids, use_cache=False).logits
+        assert calls == []  # the joined product ran, not q_proj's own forward
+        torch.testing.assert_close(adapted, plain(**ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+        with fast.disable_adapter(), plain.disable_adapter():  # adapters off: the model's own forward
+            torch.testing.assert_close(fast(**ids, use_cache=False).logits, plain(**ids, use_cache=False).logits)
+        assert len(calls) == 1
+        # generation with a KV cache: the model's own forward, the same tokens
+        prompt = ids["input_ids"][:1, :5]
+        out = [m.generate(input_ids=prompt, max_new_tokens=6, do_sample=False) for m in (fast, plain)]
+        assert torch.equal(out[0], out[1])
+
+
+def test_fused_qkv_leaves_dropout_and_partial_targets_alone_and_undoes_itself(tokenizer):
+    dropped, = _qkv_pair(tokenizer, dropout=0.1)[:1]
+    assert fused.fuse_qkv(dropped) == 0  # each projection draws its own dropout mask
+    o, = _qkv_pair(tokenizer, targets=("o_proj", "up_proj"))[:1]
+    assert fused.fuse_qkv(o) == 0  # no adapter on q, k or v: nothing to join
+    plain, fast = _qkv_pair(tokenizer)
+    fused.fuse_qkv(fast)
+    fused.unfuse_qkv(fast)
+    attn = _attn(fast)
+    assert "forward" not in attn.__dict__ and not hasattr(attn, "tunesmith_qkv_weight")
+    ptrs = {fused._holder(getattr(attn, p)).weight.untyped_storage().data_ptr() for p in fused.QKV}
+    assert len(ptrs) == 3  # each weight its own tensor again: merging and saving see plain layers
+    merged = fast.merge_and_unload()
+    ref = plain.merge_and_unload()
+    for (n, a), (_, b) in zip(merged.state_dict().items(), ref.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, msg=n)
+
+
+def test_train_reports_fused_qkv_and_its_switch_turns_it_off(tmp_path, tiny_dir, text_file, capsys):
+    kw = dict(max_steps=3, lora_dropout=0.0, lora_targets=["all-linear"])
+    on = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "on"), **kw), progress=True)
+    assert "fused q/k/v" in "".join(capsys.readouterr())
+    off = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "off"), fused_qkv=False, **kw),
+                progress=True)
+    assert "fused q/k/v" not in "".join(capsys.readouterr())
+    assert on.losses == pytest.approx(off.losses, rel=1e-5)
+    assert "forward" not in _attn(on.model).__dict__  # the returned model attends as the library does

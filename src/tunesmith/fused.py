@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -73,9 +74,16 @@ def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     finally:
         hook.remove()
     labels = batch["labels"][:, 1:]
-    keep_rows = labels != IGNORE
-    hidden = captured[0][:, :-1][keep_rows]  # [supervised tokens, hidden]
-    targets = labels[keep_rows]
+    rows = batch.get("rows")
+    if rows is not None:  # the supervised positions, found where the labels were made: no wait for the device
+        hidden = captured[0][:, :-1].reshape(-1, captured[0].shape[-1])
+        targets = labels.reshape(-1)
+        if rows.numel() < targets.numel():
+            hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
+    else:
+        keep_rows = labels != IGNORE
+        hidden = captured[0][:, :-1][keep_rows]  # [supervised tokens, hidden]
+        targets = labels[keep_rows]
     softcap = getattr(lm.config, "final_logit_softcapping", None) or 0.0
     loss = linear_cross_entropy_sum(hidden, head.weight, targets, softcap, liger=liger)
     if hasattr(head, "reshard") and not head.weight.requires_grad:
@@ -83,6 +91,13 @@ def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         # part of the backward is already computed here, so its whole weight goes back to its shards now.
         head.reshard()
     return loss, int(targets.numel())
+
+
+def supervised_rows(labels: torch.Tensor) -> torch.Tensor:
+    """The flat indices of a batch's supervised next-token positions (labels[:, 1:] not ignored), for
+    `chunked_loss_sum`'s batch["rows"]: computed on the host, where collate made the labels, they spare the
+    device a boolean selection whose size the host must wait for."""
+    return (labels[:, 1:] != IGNORE).reshape(-1).nonzero().squeeze(1)
 
 
 def chunk_rows(device_type: str, vocab: int) -> int:
@@ -253,6 +268,131 @@ def fuse_lora(model: torch.nn.Module) -> int:
             module.forward = MethodType(_fused_lora_forward, module)
             count += 1
     return count
+
+
+# ------------------------------------------------------------------------------------------------ fused q/k/v
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _plain_lora(layer) -> str | None:
+    """The adapter name if `layer` is a PEFT LoRA linear whose output is base(x) + s B A x exactly (one active
+    adapter, no dropout, no DoRA or LoRA bias, a frozen bias-free torch Linear under it); else None."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    if type(layer) is not LoraLinear or layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
+        return None
+    name = layer.active_adapters[0]
+    base = layer.base_layer
+    if (name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name)
+            or type(layer.lora_A[name]) is not torch.nn.Linear or layer.lora_B[name].bias is not None
+            or type(base) is not torch.nn.Linear or base.bias is not None or base.weight.requires_grad):
+        return None
+    dropout = layer.lora_dropout[name]
+    if not (isinstance(dropout, torch.nn.Identity) or (type(dropout) is torch.nn.Dropout and dropout.p == 0)):
+        return None
+    return name
+
+
+def _frozen_linear(layer) -> bool:
+    return (type(layer) is torch.nn.Linear and layer.bias is None and not layer.weight.requires_grad)
+
+
+def _qkv_parts(module) -> list[str | None] | None:
+    """For each of q/k/v: its adapter's name (a plain LoRA layer) or None (a frozen bias-free Linear with no
+    adapter); None if any projection is neither or none has an adapter."""
+    if not all(hasattr(module, p) for p in QKV):
+        return None
+    layers = [getattr(module, p) for p in QKV]
+    names = [_plain_lora(layer) for layer in layers]
+    if not any(names) or any(n is None and not _frozen_linear(layer) for n, layer in zip(names, layers, strict=True)):
+        return None
+    return names
+
+
+def _fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """LlamaAttention's training forward with q, k and v from one product: x [Wq; Wk; Wv]^T for the frozen
+    weights, x [A..]^T for the LoRA down-projections together (the input read once, not once per adapter), and the
+    up-projections as one block-diagonal product added into the first (addmm; a projection without an adapter gets
+    a zero block). The same function as PEFT's layers (tests: loss and gradients); anything else -- a KV cache,
+    adapters switched off or merged since -- goes through the model's own forward."""
+    names = _qkv_parts(self)
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    autocast = torch.is_autocast_enabled(hidden_states.device.type)
+    if (cache is not None or names != self.tunesmith_qkv_names or position_embeddings is None
+            or not (autocast or len({hidden_states.dtype} | {p.dtype for p in self.parameters()}) == 1)):
+        return type(self).forward(self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, **kwargs)
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("cache", None)
+    layers = [getattr(self, p) for p in QKV]
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    a = torch.cat([layer.lora_A[n].weight for layer, n in zip(layers, names, strict=True) if n])
+    b = torch.block_diag(*[layer.lora_B[n].weight * layer.scaling[n] if n else
+                           layer.weight.new_zeros(layer.weight.shape[0], 0)
+                           for layer, n in zip(layers, names, strict=True)])
+    qkv = torch.addmm(torch.nn.functional.linear(x, self.tunesmith_qkv_weight),
+                      torch.nn.functional.linear(x, a), b.t())
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    q, k, v = qkv.split(self.tunesmith_qkv_sizes, dim=-1)
+    # v goes to the attention kernel as it is, which keeps it for the backward pass: a view would keep all of the
+    # joined output alive with it (q and k are rotated into new tensors anyway)
+    q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v.contiguous()))
+    cos, sin = position_embeddings
+    module = sys.modules[type(self).__module__]  # the model file's own RoPE and eager attention (Liger may patch it)
+    q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = self.config._attn_implementation
+    attend = module.eager_attention_forward if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
+    out, weights = attend(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+                          scaling=self.scaling, **kwargs)
+    out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _holder(layer) -> torch.nn.Linear:
+    return layer if type(layer) is torch.nn.Linear else layer.base_layer
+
+
+def fuse_qkv(model: torch.nn.Module) -> int:
+    """Give each Llama attention whose q_proj, k_proj and v_proj are plain LoRA layers at dropout 0 (`_plain_lora`)
+    or frozen bias-free Linears, at least one with an adapter, the one-product forward. The three frozen weights
+    become views into one [Wq; Wk; Wv] buffer (no copy kept). Returns how many attentions; `unfuse_qkv` undoes it."""
+    from types import MethodType
+
+    count = 0
+    for module in model.modules():
+        names = _qkv_parts(module) if type(module).__name__ == "LlamaAttention" else None
+        if names is None:
+            continue
+        holders = [_holder(getattr(module, p)) for p in QKV]
+        weights = [h.weight for h in holders]
+        if len({(w.dtype, w.device) for w in weights}) != 1:
+            continue
+        whole = torch.cat([w.detach() for w in weights])
+        module.register_buffer("tunesmith_qkv_weight", whole, persistent=False)
+        module.tunesmith_qkv_sizes = [w.shape[0] for w in weights]
+        module.tunesmith_qkv_names = names
+        for holder, part in zip(holders, whole.split(module.tunesmith_qkv_sizes), strict=True):
+            holder.weight = torch.nn.Parameter(part, requires_grad=False)
+        module.forward = MethodType(_fused_qkv_forward, module)
+        count += 1
+    return count
+
+
+def unfuse_qkv(model: torch.nn.Module) -> torch.nn.Module:
+    """What `fuse_qkv` did, undone: the model's own attention forward, each weight its own tensor again."""
+    for module in model.modules():
+        if "tunesmith_qkv_weight" not in getattr(module, "_buffers", {}):
+            continue
+        for p in QKV:
+            holder = _holder(getattr(module, p))
+            holder.weight = torch.nn.Parameter(holder.weight.detach().clone(), requires_grad=False)
+        del module.tunesmith_qkv_weight, module.tunesmith_qkv_sizes, module.tunesmith_qkv_names
+        if "forward" in module.__dict__:
+            del module.forward
+    return model
 
 
 # ------------------------------------------------------------------------------------------------ CUDA kernels

@@ -73,10 +73,13 @@ from tunesmith.fused import (
     compile_layers,
     eager_layers,
     fuse_lora,
+    fuse_qkv,
     liger_available,
     own_gradients,
+    supervised_rows,
     supports_chunked_loss,
     uncompile_layers,
+    unfuse_qkv,
 )
 from tunesmith.lora import attach_lora, save_adapter, trainable_parameters, unfreeze
 from tunesmith.models import load_model, load_tokenizer
@@ -281,6 +284,7 @@ class Run:
     say: Callable[[str], None]  # a note on stderr, from the main process only
     graphed: bool = False  # the decoder layers replay as CUDA graphs
     liger_loss: bool = False  # the fused loss through Liger's fused linear cross-entropy kernel
+    skip_on_device: bool = False  # the non-finite guard's skip taken by the fused AdamW kernel (no sync before it)
 
 
 def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
@@ -352,6 +356,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
                             dora=cfg.fine_tune_type == "dora", num_layers=cfg.num_layers)
         kernels += ["DoRA"] if cfg.fine_tune_type == "dora" else []
+        if cfg.fused_qkv and cfg.fine_tune_type == "lora" and not fsdp and fuse_qkv(model):
+            kernels.append("fused q/k/v")
         fuse = cfg.fused_lora == "on" or (cfg.fused_lora == "auto" and not compiled)
         if fuse and cfg.fine_tune_type == "lora" and not fsdp and fuse_lora(model):
             kernels.append("fused LoRA")
@@ -409,7 +415,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         batch_size = min(batch_size, state.batch_size)
     batch_size = min(batch_size, per_step // world)
     return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
-               total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs, liger_loss)
+               total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs, liger_loss,
+               skips_on_device(optimizer, accelerator))
 
 
 def _examples_per_step(cfg: TrainConfig, ckpt: Checkpoint | None, batch_size: int, world: int, say) -> int:
@@ -461,7 +468,6 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             while True:  # out of memory: halve the micro-batch, double the accumulation, redo this step afresh
                 try:
                     step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss, run.graphed)
-                    step_loss = all_sum(acc, [step_loss])[0]  # the processes' shares of the step's loss
                     break
                 except Exception as e:
                     if not is_oom(e):
@@ -472,20 +478,29 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                 batch_size = _halve_batch(acc.device, step, batch_size, len(mine), bar, progress, log)
             # The norm is measured even without clipping (max_norm inf scales by exactly 1): the guard needs it.
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            grad_norm = _as_float(acc.clip_grad_norm_(run.params, max_norm))
+            norm = acc.clip_grad_norm_(run.params, max_norm)
             lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao's optimizers
             # Non-finite guard: one NaN/inf update would poison the weights and AdamW's moments for good, so the
             # step is skipped (weights, optimizer and schedule untouched) and the data moves on. Under fp16 an inf
             # gradient with a finite loss is the grad scaler's to handle: it skips the update and lowers the scale.
             # Loss and norm are the same on every process (summed; synchronized gradients), and so is the verdict.
-            bad = not math.isfinite(step_loss) or (not math.isfinite(grad_norm) and acc.scaler is None)
-            if bad:
-                bad_streak += 1
+            if run.skip_on_device:
+                # The verdict is taken on the device, by the fused AdamW kernel itself (it leaves weights, moments
+                # and step counts as they were when told so), so Python launches the update while the GPU is still
+                # in the backward pass, and the step's one wait is for the loss and norm read below.
+                step_loss, grad_norm = _step_on_device(optimizer, step_loss, norm)
+                bad = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
+                if not bad:
+                    scheduler.step()
             else:
-                optimizer.step()
-                scheduler.step()
-                bad_streak = 0
-            optimizer.zero_grad(set_to_none=True)
+                step_loss = all_sum(acc, [float(step_loss)])[0]  # the processes' shares of the step's loss
+                grad_norm = _as_float(norm)
+                bad = not math.isfinite(step_loss) or (not math.isfinite(grad_norm) and acc.scaler is None)
+                if not bad:
+                    optimizer.step()
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            bad_streak = bad_streak + 1 if bad else 0
             synchronize(acc.device)  # an accelerator runs ahead of Python: time the step, not its launch
             step += 1
             elapsed = time.perf_counter() - started
@@ -560,7 +575,7 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
         if acc.is_main_process:  # records the model it needs, and how its base was held
             save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights)
     acc.wait_for_everyone()
-    result.model = uncompile_layers(model)
+    result.model = unfuse_qkv(uncompile_layers(model))
     return result
 
 
@@ -672,7 +687,7 @@ def _any_process(accelerator, flag: bool) -> bool:
 
 
 def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: int, pad_id: int,
-                loss_fn: LossFn = loss_sum, graphed: bool = False) -> float:
+                loss_fn: LossFn = loss_sum, graphed: bool = False) -> torch.Tensor:
     """Forward and backward one optimizer step's examples in micro-batches; returns the step's loss."""
     micro = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
     device = accelerator.device
@@ -680,6 +695,7 @@ def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: i
     for i, chunk in enumerate(micro):
         batch = collate(chunk, pad_id)
         if device.type == "cuda":  # pinned: the copy runs asynchronously, behind the kernels already queued
+            batch["rows"] = supervised_rows(batch["labels"])
             batch = {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
         else:
             batch = {k: v.to(device) for k, v in batch.items()}
@@ -691,8 +707,31 @@ def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: i
             accelerator.backward(loss)
         if graphed and i < len(micro) - 1:
             own_gradients(model)
-        parts.append(loss.detach().float())
-    return sum(torch.stack(parts).tolist())
+        parts.append(loss.detach().double())
+    return torch.stack(parts).sum()  # on the device: read when the step is done, not after each micro-batch
+
+
+def skips_on_device(optimizer, accelerator) -> bool:
+    """Whether the non-finite guard can run on the device: torch's fused AdamW (whose kernel skips an update it is
+    told is bad), one process (several must reduce the loss first) and no fp16 grad scaler (which has its own)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return (type(inner) is torch.optim.AdamW and bool(inner.defaults.get("fused")) and accelerator.num_processes == 1
+            and accelerator.scaler is None)
+
+
+def _step_on_device(optimizer, step_loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+    """The optimizer step, skipped by the fused kernel when the loss or the gradient norm is not finite; then the
+    one host sync of the step: (loss, norm) as floats."""
+    stats = torch.stack([step_loss.double(), norm.double()])
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner.found_inf = (~torch.isfinite(stats)).any().float()  # what GradScaler hands the fused kernels
+    try:
+        optimizer.step()
+    finally:
+        del inner.found_inf
+    optimizer.zero_grad(set_to_none=True)
+    step_loss_f, norm_f = stats.tolist()
+    return step_loss_f, norm_f
 
 
 def _halve_batch(device: torch.device, step: int, batch_size: int, examples: int, bar, progress: bool,
