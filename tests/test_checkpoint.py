@@ -345,3 +345,28 @@ def test_k_bad_steps_in_a_row_stop_the_run_with_the_last_checkpoint_intact(tmp_p
     assert [p.name for _, p in ck.complete_checkpoints(root)] == ["step-000004", "step-000002"]
     assert ck.verify(root / "step-000004").state["bad_streak"] == 2
     assert _equal(_weights(root / "step-000004"), _weights(root / "step-000002"))  # the good weights, kept
+
+
+def test_the_on_device_step_with_early_batches_resumes_exactly(tmp_path, tiny_dir, text_file, monkeypatch):
+    """The CUDA path (the fused kernel's skip, the next step's micro-batches made before the step's one sync),
+    taken on the CPU: a run cut at step 3 and resumed gives the uninterrupted run's losses and adapter, bit for
+    bit, with gradient accumulation and dropout."""
+    import shutil
+
+    T = importlib.import_module("tunesmith.train")
+    calls = _fused_adamw_on_the_cpu(monkeypatch)
+    early, made, used, accumulate = [], T._device_batches, [], T._accumulate
+    monkeypatch.setattr(T, "_device_batches", lambda *a: early.append(1) or made(*a))
+    monkeypatch.setattr(T, "_accumulate", lambda *a: used.append(a[-1] is not None) or accumulate(*a))
+    kw = dict(max_steps=6, checkpoint_every=3, grad_accum=2, batch_size=1, lora_dropout=0.05)
+    ref = train(tiny_train_config(tmp_path / "ref", tiny_dir, text_file, **kw), progress=False)
+    assert len(calls) == 6 and len(early) == 5  # every step after the first had its batches made early
+    assert used == [False] + [True] * 5  # and trained on them (the resumed run's step 4 makes its own: the same)
+    cut = tmp_path / "cut" / "run"
+    shutil.copytree(ref.run_dir, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-000006")
+    shutil.rmtree(cut / ref.adapter_dir.name)
+    again = train(tiny_train_config(tmp_path / "cut", tiny_dir, text_file, resume=True, **kw), progress=False)
+    assert again.losses == ref.losses and len(ref.losses) == 6 and ref.losses[-1] < ref.losses[0]
+    a, b = _weights(ref.adapter_dir, "adapter_model.safetensors"), _weights(again.adapter_dir, "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

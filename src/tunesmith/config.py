@@ -247,9 +247,9 @@ class TrainConfig(DataConfig, ModelConfig):
                           "auto: on where the layers run eagerly (CPU, MPS, --compile off), off in compiled layers, "
                           "whose compiler fuses PEFT's own path faster; on; off (PEFT's own forward)",
                           choices=["auto", "on", "off"])
-    fused_qkv: bool = opt(True, "Llama-family attention with LoRA on q_proj, k_proj and v_proj at dropout 0: the three "
-                          "projections as one product over their joined weights, the LoRA down-projections as one "
-                          "more (the input read once, not three times)")
+    fused_qkv: bool = opt(True, "Llama-family attention with LoRA on any of q_proj, k_proj, v_proj at dropout 0: the "
+                          "three projections as one product over their joined frozen weights, the LoRA "
+                          "down-projections as one more (the input read once, not once per adapter)")
     fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",

@@ -12,6 +12,9 @@
   base product's output (and, backward, into the input's gradient) by cuBLAS/BLAS addmm, instead of materialising
   the LoRA output, scaling it and adding it: fewer full-size tensors written and read per layer. Plain PyTorch, so
   every device.
+- `fuse_qkv`: a Llama attention's q, k and v projections as one product over their joined frozen weights, with
+  their LoRA down-projections as one more and the up-projections added in as one block-diagonal addmm (dropout 0).
+  Plain PyTorch, so every device; in compiled layers the compiler derives its backward.
 """
 
 from __future__ import annotations

@@ -455,25 +455,26 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
     if run.ckpt:  # last thing before the first step: nothing in set-up may draw from them after this
         restore_rng(rng_of(run.ckpt, rank, world), run.device.type)
     unwrapped = acc.unwrap_model(model)
+    ahead = None  # the next step's examples, and its micro-batches already on their way to the device
     with bar, StopSignals() as stop:
         while step < schedule.total:
             t0 = time.perf_counter()
-            # A step's examples are a pure function of (seed, step): that is what makes resume exact.
-            order = epoch_order(len(data.train), cfg.seed, step // run.per_epoch)
-            every = [data.train[i] for i in step_examples(order, step % run.per_epoch, run.per_step)]
-            mine = every[rank::world]  # this process's share: no example is seen twice in an epoch
-            # Normalise by the supervised tokens of the whole step, all processes together, so that splitting it
-            # into more or fewer micro-batches or processes gives the same gradient.
-            n_tokens = max(1, sum(sum(1 for t in lab[1:] if t != IGNORE) for _, lab in every))
+            if ahead is not None and ahead.step == step:
+                mine, n_tokens = ahead.examples, ahead.n_tokens
+            else:
+                mine, n_tokens = _examples_of(run, cfg.seed, step, rank, world)
+            ready, ahead = (ahead.batches if ahead is not None and ahead.batch_size == batch_size else None), None
             while True:  # out of memory: halve the micro-batch, double the accumulation, redo this step afresh
                 try:
-                    step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss, run.graphed)
+                    step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss, run.graphed,
+                                            ready)
                     break
                 except Exception as e:
                     if not is_oom(e):
                         raise
                     if batch_size == 1 or world > 1:
                         raise TunesmithError(_oom_advice(e, step, batch_size, world, cfg.seq_len)) from None
+                ready = None
                 optimizer.zero_grad(set_to_none=True)  # outside the handler: the traceback's activations are gone
                 batch_size = _halve_batch(acc.device, step, batch_size, len(mine), bar, progress, log)
             # The norm is measured even without clipping (max_norm inf scales by exactly 1): the guard needs it.
@@ -488,7 +489,11 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                 # The verdict is taken on the device, by the fused AdamW kernel itself (it leaves weights, moments
                 # and step counts as they were when told so), so Python launches the update while the GPU is still
                 # in the backward pass, and the step's one wait is for the loss and norm read below.
-                step_loss, grad_norm = _step_on_device(optimizer, step_loss, norm)
+                stats = _step_on_device(optimizer, step_loss, norm)
+                if step + 1 < schedule.total:  # collated and copied while the GPU finishes this step
+                    ahead = _Ahead(step + 1, *_examples_of(run, cfg.seed, step + 1, rank, world), batch_size)
+                    ahead.batches = _device_batches(ahead.examples, batch_size, run.pad_id, acc.device)
+                step_loss, grad_norm = stats.tolist()  # the step's one wait for the device
                 bad = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
                 if not bad:
                     scheduler.step()
@@ -686,19 +691,49 @@ def _any_process(accelerator, flag: bool) -> bool:
     return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum").item() > 0)
 
 
+@dataclass
+class _Ahead:
+    """A step's examples (this process's share), its supervised-token count and its micro-batches, made early."""
+
+    step: int
+    examples: list
+    n_tokens: int
+    batch_size: int
+    batches: list | None = None
+
+
+def _examples_of(run: Run, seed: int, step: int, rank: int, world: int) -> tuple[list, int]:
+    """This process's examples of `step`, and the supervised tokens of the whole step (all processes)."""
+    # A step's examples are a pure function of (seed, step): that is what makes resume exact.
+    order = epoch_order(len(run.data.train), seed, step // run.per_epoch)
+    every = [run.data.train[i] for i in step_examples(order, step % run.per_epoch, run.per_step)]
+    mine = every[rank::world]  # this process's share: no example is seen twice in an epoch
+    # Normalise by the supervised tokens of the whole step, all processes together, so that splitting it into more
+    # or fewer micro-batches or processes gives the same gradient.
+    return mine, max(1, sum(sum(1 for t in lab[1:] if t != IGNORE) for _, lab in every))
+
+
+def _device_batch(chunk: list, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    batch = collate(chunk, pad_id)
+    if device.type == "cuda":  # pinned: the copy runs asynchronously, behind the kernels already queued
+        batch["rows"] = supervised_rows(batch["labels"])
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _device_batches(examples: list, batch_size: int, pad_id: int, device: torch.device) -> list:
+    return [_device_batch(examples[i : i + batch_size], pad_id, device) for i in range(0, len(examples), batch_size)]
+
+
 def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: int, pad_id: int,
-                loss_fn: LossFn = loss_sum, graphed: bool = False) -> torch.Tensor:
-    """Forward and backward one optimizer step's examples in micro-batches; returns the step's loss."""
+                loss_fn: LossFn = loss_sum, graphed: bool = False, ready: list | None = None) -> torch.Tensor:
+    """Forward and backward one optimizer step's examples in micro-batches (`ready`: made already); returns the
+    step's loss."""
     micro = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
     device = accelerator.device
     parts = []  # kept on the device: one host sync per step, not one per micro-batch
     for i, chunk in enumerate(micro):
-        batch = collate(chunk, pad_id)
-        if device.type == "cuda":  # pinned: the copy runs asynchronously, behind the kernels already queued
-            batch["rows"] = supervised_rows(batch["labels"])
-            batch = {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
-        else:
-            batch = {k: v.to(device) for k, v in batch.items()}
+        batch = ready[i] if ready is not None else _device_batch(chunk, pad_id, device)
         # DDP all-reduces gradients on every backward; only the step's last micro-batch needs it.
         sync = accelerator.no_sync(model) if i < len(micro) - 1 else nullcontext()
         with sync, accelerator.autocast():
@@ -719,9 +754,9 @@ def skips_on_device(optimizer, accelerator) -> bool:
             and accelerator.scaler is None)
 
 
-def _step_on_device(optimizer, step_loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
-    """The optimizer step, skipped by the fused kernel when the loss or the gradient norm is not finite; then the
-    one host sync of the step: (loss, norm) as floats."""
+def _step_on_device(optimizer, step_loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """The optimizer step, skipped by the fused kernel when the loss or the gradient norm is not finite. Returns
+    [loss, norm] on the device, for the caller's one host sync of the step."""
     stats = torch.stack([step_loss.double(), norm.double()])
     inner = getattr(optimizer, "optimizer", optimizer)
     inner.found_inf = (~torch.isfinite(stats)).any().float()  # what GradScaler hands the fused kernels
@@ -730,8 +765,7 @@ def _step_on_device(optimizer, step_loss: torch.Tensor, norm: torch.Tensor) -> t
     finally:
         del inner.found_inf
     optimizer.zero_grad(set_to_none=True)
-    step_loss_f, norm_f = stats.tolist()
-    return step_loss_f, norm_f
+    return stats
 
 
 def _halve_batch(device: torch.device, step: int, batch_size: int, examples: int, bar, progress: bool,
