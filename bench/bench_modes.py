@@ -1,6 +1,7 @@
 """The training modes side by side: LoRA, QLoRA (nf4 / int4 / int8 base), DoRA and full fine-tuning.
 
     python bench/bench_modes.py quality [--device cpu] [--steps 60] [--modes lora,qlora-nf4,dora,full] [--loftq]
+                                        [--loftq-iters 5]
                                         [--nf4-block 32] [--targets all-linear] [--lr 4e-3]
     python bench/bench_modes.py memory --device cuda --shape meta-llama/Llama-3.1-8B [--modes qlora-nf4,lora]
 
@@ -78,11 +79,12 @@ def quality(args) -> None:
                                   min_steps=0, eval_every=0, device=str(device), precision="fp32",
                                   checkpoint_every=0, lr=lr, **changes)
         t = time.perf_counter()
-        tunesmith.train.attach_lora = _loftq_attach(originals) if originals else tunesmith.lora.attach_lora
+        tunesmith.train.attach_lora = (_loftq_attach(originals, args.loftq_iters) if originals
+                                       else tunesmith.lora.attach_lora)
         # quantize_base on an injected model quantizes in place: already done by load_model here, so a no-op
         r = train(cfg, model=model, tokenizer=tok, data=data, progress=False)
         after = r.evals[-1][1].perplexity
-        row = {"mode": mode, "loftq": bool(originals), "nf4_block": args.nf4_block or None, "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
+        row = {"mode": mode, "loftq": args.loftq_iters if originals else 0, "nf4_block": args.nf4_block or None, "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
                "drop": 1 - after / before, "trainable": r.trainable_params, "seconds": time.perf_counter() - t,
                "tokens_per_s": r.tokens / r.seconds, "losses": r.losses}
         rows.append(row)
@@ -96,10 +98,12 @@ def quality(args) -> None:
             print(f"{r['mode']}: held-out perplexity {r['ppl_after']:.2f}, {r['ppl_after'] / ref - 1:+.1%} against LoRA")
 
 
-def _loftq_attach(originals: dict):
+def _loftq_attach(originals: dict, iters: int = 1):
     """attach_lora, then each adapter on a quantized layer starts as the top-r SVD of that layer's quantization
-    error (LoftQ with one iteration: the base stays the plain quantized weight), so that base + adapter starts
-    near the full-precision weight instead of at the quantized one."""
+    error, so that base + adapter starts near the full-precision weight instead of at the quantized one. One
+    iteration (the default) keeps the base the plain quantized weight; with more (LoftQ's alternation), the base is
+    re-quantized from W minus the adapter's start each time, so it is no longer quant(W): an experiment only
+    (merge and resume in tunesmith assume quant(W))."""
     import torch
 
     from tunesmith.lora import attach_lora
@@ -109,8 +113,15 @@ def _loftq_attach(originals: dict):
         peft_model = attach_lora(model, *a, **k)
         for name, m in peft_model.named_modules():
             if isinstance(getattr(m, "base_layer", None), QuantLinear) and "default" in m.lora_A:
-                residual = originals[name.removeprefix("base_model.model.")].float() - m.base_layer.dequantize(
-                    torch.float32)
+                w = originals[name.removeprefix("base_model.model.")].float()
+                residual = w - m.base_layer.dequantize(torch.float32)
+                for _ in range(iters - 1):
+                    u, s, vh = torch.linalg.svd(residual, full_matrices=False)
+                    r = m.r["default"]
+                    start = (u[:, :r] * s[:r]) @ vh[:r]
+                    m.base_layer = QuantLinear.from_weight((w - start).to(originals[name.removeprefix(
+                        "base_model.model.")].dtype), m.base_layer.scheme)
+                    residual = w - m.base_layer.dequantize(torch.float32)
                 u, s, vh = torch.linalg.svd(residual, full_matrices=False)
                 r, root = m.r["default"], s[: m.r["default"]].sqrt() / m.scaling["default"] ** 0.5
                 m.lora_B["default"].weight.data.copy_(u[:, :r] * root)
@@ -240,6 +251,8 @@ def main() -> None:
     ap.add_argument("--targets", default="", help="quality: LoRA targets (default: the demo's q_proj,v_proj)")
     ap.add_argument("--loftq", action="store_true",
                     help="quality: QLoRA adapters start from the SVD of the quantization error (LoftQ, 1 iteration)")
+    ap.add_argument("--loftq-iters", type=int, default=1,
+                    help="quality: LoftQ's alternations (1: the base stays quant(W); more: an experiment)")
     ap.add_argument("--nf4-block", type=int, default=0, help="quality: nf4 block size (default: torchao's 64)")
     ap.add_argument("--shape", default="meta-llama/Llama-3.1-8B")
     ap.add_argument("--seq", type=int, default=2048)
