@@ -357,7 +357,7 @@ def test_the_on_device_step_with_early_batches_resumes_exactly(tmp_path, tiny_di
     calls = _fused_adamw_on_the_cpu(monkeypatch)
     early, made, used, accumulate = [], T._device_batches, [], T._accumulate
     monkeypatch.setattr(T, "_device_batches", lambda *a: early.append(1) or made(*a))
-    monkeypatch.setattr(T, "_accumulate", lambda *a: used.append(a[-1] is not None) or accumulate(*a))
+    monkeypatch.setattr(T, "_accumulate", lambda *a: used.append(a[8] is not None) or accumulate(*a))  # a[8]: ready
     kw = dict(max_steps=6, checkpoint_every=3, grad_accum=2, batch_size=1, lora_dropout=0.05)
     ref = train(tiny_train_config(tmp_path / "ref", tiny_dir, text_file, **kw), progress=False)
     assert len(calls) == 6 and len(early) == 5  # every step after the first had its batches made early

@@ -180,3 +180,21 @@ def test_every_bad_input_gives_one_message_and_exit_code_2(tmp_path, tiny_dir, c
         assert code == 2, (data, err)
         assert message in err, (message, err)
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_packed_collation_puts_records_into_fewer_rows_each_starting_its_positions_anew():
+    from tunesmith.data import IGNORE, collate_packed
+
+    ex = [([1, 2, 3], [IGNORE, 2, 3]), ([4, 5, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9]), ([10, 11], [10, 11]),
+          ([12], [12])]
+    b = collate_packed(ex, pad_id=0)
+    assert set(b) == {"input_ids", "position_ids", "labels"}  # no attention_mask: the positions say it all
+    assert b["input_ids"].tolist() == [[4, 5, 6, 7, 8, 9], [1, 2, 3, 10, 11, 12]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 0]]
+    # each record's first label dropped (its predecessor is another record's token), the rest kept
+    assert b["labels"].tolist() == [[IGNORE, 5, 6, 7, 8, 9], [IGNORE, 2, 3, IGNORE, 11, IGNORE]]
+    tail = collate_packed([([1, 2, 3, 4], [1, 2, 3, 4]), ([5], [5]), ([6], [6])], pad_id=0)
+    assert tail["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]]
+    assert tail["position_ids"].tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]  # the pad tail: a segment of its own
+    assert tail["labels"][1].tolist() == [IGNORE] * 4
+    assert collate_packed([([1, 2], [1, 2]), ([3, 4], [3, 4])], pad_id=0) is None  # nothing to save

@@ -553,3 +553,69 @@ def test_train_reports_fused_qkv_and_its_switch_turns_it_off(tmp_path, tiny_dir,
     assert "fused q/k/v" not in "".join(capsys.readouterr())
     assert on.losses == pytest.approx(off.losses, rel=1e-5)
     assert "forward" not in _attn(on.model).__dict__  # the returned model attends as the library does
+
+
+# ------------------------------------------------------------------------------------------------ packed records
+
+
+def _records(tokenizer, lengths=(12, 5, 4, 3, 9, 2)):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, len(tokenizer), (n,), generator=g).tolist()
+        out.append((ids, [IGNORE] * (n // 3) + ids[n // 3:]))  # a prompt part, not trained on
+    return out
+
+
+@pytest.mark.parametrize("fn", ["plain", "chunked"])
+def test_packed_records_give_the_padded_loss_and_gradients(tokenizer, fn):
+    from tunesmith.data import collate, collate_packed
+
+    model = attach_lora(make_model(tokenizer), 4, 8, 0.0, ["q_proj", "v_proj"])
+    loss = loss_sum if fn == "plain" else fused.chunked_loss_sum
+    records = _records(tokenizer)
+    packed = collate_packed(records, tokenizer.pad_token_id)
+    assert packed["input_ids"].shape == (3, 12)  # 6 records in 3 rows: 12 | 9+3 | 5+4+2
+    results = []
+    for batch in (collate(records, tokenizer.pad_token_id), packed):
+        model.zero_grad(set_to_none=True)
+        total, n = loss(model, batch)
+        total.backward()
+        results.append((total.item(), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}))
+    (ref, ref_n, ref_g), (got, got_n, got_g) = results
+    assert got_n == ref_n == sum(sum(1 for t in lab[1:] if t != IGNORE) for _, lab in records)
+    assert got == pytest.approx(ref, rel=1e-5)
+    for k in ref_g:
+        torch.testing.assert_close(got_g[k], ref_g[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_a_packed_record_attends_only_to_itself(tokenizer):
+    from tunesmith.data import collate_packed
+
+    model = make_model(tokenizer).eval()
+    records = _records(tokenizer, (6, 3, 2))
+    a = collate_packed(records, tokenizer.pad_token_id)
+    changed = [records[0], ([5] * 3, records[1][1]), records[2]]  # the record before the last one in its row
+    b = collate_packed(changed, tokenizer.pad_token_id)
+    with torch.no_grad():
+        la = model(**{k: v for k, v in a.items() if k != "labels"}, use_cache=False).logits
+        lb = model(**{k: v for k, v in b.items() if k != "labels"}, use_cache=False).logits
+    assert a["input_ids"][1].tolist()[3:5] == records[2][0]  # row 1: the 3-token record, then the 2-token one
+    torch.testing.assert_close(la[1, 3:5], lb[1, 3:5])  # the 2-token record does not see its neighbour
+    assert (la[1, :3] - lb[1, :3]).abs().max() > 1e-4
+
+
+def test_train_packs_jsonl_records_and_not_text_blocks(tmp_path, tiny_dir, text_file, capsys):
+    lines = text_file.read_text().split("\n")
+    records = [{"prompt": lines[i], "completion": " ".join(lines[i + 1 : i + 2 + i % 4])} for i in range(0, 60, 3)]
+    data = tmp_path / "records.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    kw = dict(max_steps=3, batch_size=4, precision="fp32", lora_dropout=0.0)  # dropout draws depend on shapes
+    on = train(tiny_train_config(tmp_path, tiny_dir, data, output=str(tmp_path / "on"), **kw), progress=True)
+    assert "packed records" in "".join(capsys.readouterr())
+    off = train(tiny_train_config(tmp_path, tiny_dir, data, output=str(tmp_path / "off"), pack_records="off", **kw),
+                progress=True)
+    assert "packed records" not in "".join(capsys.readouterr())
+    assert on.losses == pytest.approx(off.losses, rel=1e-4) and on.tokens == off.tokens
+    train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "txt"), max_steps=1), progress=True)
+    assert "packed records" not in "".join(capsys.readouterr())  # text blocks are all one length

@@ -250,6 +250,10 @@ class TrainConfig(DataConfig, ModelConfig):
     fused_qkv: bool = opt(True, "Llama-family attention with LoRA on any of q_proj, k_proj, v_proj at dropout 0: the "
                           "three projections as one product over their joined frozen weights, the LoRA "
                           "down-projections as one more (the input read once, not once per adapter)")
+    pack_records: str = opt("auto", "micro-batches of .jsonl records of different lengths packed into fewer rows "
+                            "(each record still attends only to itself), so less compute goes to padding. auto: on "
+                            "for Llama-family models where the layers run eagerly (CPU, MPS, --compile off); on; off",
+                            choices=["auto", "on", "off"])
     fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",

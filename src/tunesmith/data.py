@@ -497,6 +497,44 @@ def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
+def collate_packed(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor] | None:
+    """A micro-batch with less padding: the examples placed, longest first, into as few rows as hold them at the
+    longest one's width (first fit), each row's examples one after another. position_ids restart at 0 with each
+    example, which is how transformers (>= 4.56, with no attention_mask and no cache) sees packed sequences: each
+    example attends only to itself, as when padded. An example's first label is dropped (the token before it
+    belongs to another example; padded, no position predicts it either). A row's unused tail is pad tokens in a
+    segment of their own, never a target. None when packing would not save a row: the plain `collate` then."""
+    width = max(len(ids) for ids, _ in examples)
+    rows: list[list[int]] = []  # example indices per row
+    room: list[int] = []
+    for i in sorted(range(len(examples)), key=lambda i: -len(examples[i][0])):
+        n = len(examples[i][0])
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(width - n)
+    if len(rows) == len(examples):
+        return None
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in sorted(members):  # in the data's order within a row
+            ids, lab = examples[i]
+            n = len(ids)
+            input_ids[r, at : at + n] = torch.tensor(ids)
+            labels[r, at + 1 : at + n] = torch.tensor(lab[1:n])
+            positions[r, at : at + n] = torch.arange(n)
+            at += n
+        positions[r, at:] = torch.arange(width - at)
+    return {"input_ids": input_ids, "position_ids": positions, "labels": labels}
+
+
 def batches(examples: Sequence[Example], batch_size: int, pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
     for i in range(0, len(examples), batch_size):
         yield collate(examples[i : i + batch_size], pad_id)

@@ -26,7 +26,8 @@ def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer step, so
     the loss is the same however the step is split into micro-batches.
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   position_ids=batch.get("position_ids"), use_cache=False).logits
     labels = batch["labels"][:, 1:]
     logits = logits[:, :-1].float()
     n = int((labels != IGNORE).sum())

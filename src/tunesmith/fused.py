@@ -72,7 +72,8 @@ def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     try:
         # logits_to_keep with no positions: the model's own output layer computes nothing. No KV cache: training
         # needs none, and a compiled layer would recompile for every layer's cache object
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+        model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+              position_ids=batch.get("position_ids"), use_cache=False,
               logits_to_keep=torch.zeros(0, dtype=torch.long, device=batch["input_ids"].device))
     finally:
         hook.remove()

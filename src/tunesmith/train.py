@@ -39,7 +39,7 @@ from tunesmith.checkpoint import (
     rng_of,
 )
 from tunesmith.config import TrainConfig, save_config, to_dict
-from tunesmith.data import IGNORE, TokenData, collate, describe_data, load_data
+from tunesmith.data import IGNORE, TokenData, collate, collate_packed, describe_data, load_data
 from tunesmith.device import (
     enable_mps_fallback,
     free_memory,
@@ -285,6 +285,7 @@ class Run:
     graphed: bool = False  # the decoder layers replay as CUDA graphs
     liger_loss: bool = False  # the fused loss through Liger's fused linear cross-entropy kernel
     skip_on_device: bool = False  # the non-finite guard's skip taken by the fused AdamW kernel (no sync before it)
+    packed: bool = False  # micro-batches of records of different lengths packed into fewer rows
 
 
 def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
@@ -364,6 +365,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    packed = packs_records(cfg, model, compiled, data)
+    kernels += ["packed records"] if packed else []
     if compiled:
         compile_layers(model, cuda_graphs=graphs)
         kernels.append("compiled layers" + (" as CUDA graphs" if graphs else ""))
@@ -416,7 +419,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     batch_size = min(batch_size, per_step // world)
     return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
                total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs, liger_loss,
-               skips_on_device(optimizer, accelerator))
+               skips_on_device(optimizer, accelerator), packed)
 
 
 def _examples_per_step(cfg: TrainConfig, ckpt: Checkpoint | None, batch_size: int, world: int, say) -> int:
@@ -467,7 +470,7 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             while True:  # out of memory: halve the micro-batch, double the accumulation, redo this step afresh
                 try:
                     step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss, run.graphed,
-                                            ready)
+                                            ready, run.packed)
                     break
                 except Exception as e:
                     if not is_oom(e):
@@ -492,7 +495,7 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                 stats = _step_on_device(optimizer, step_loss, norm)
                 if step + 1 < schedule.total:  # collated and copied while the GPU finishes this step
                     ahead = _Ahead(step + 1, *_examples_of(run, cfg.seed, step + 1, rank, world), batch_size)
-                    ahead.batches = _device_batches(ahead.examples, batch_size, run.pad_id, acc.device)
+                    ahead.batches = _device_batches(ahead.examples, batch_size, run.pad_id, acc.device, run.packed)
                 step_loss, grad_norm = stats.tolist()  # the step's one wait for the device
                 bad = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
                 if not bad:
@@ -713,27 +716,29 @@ def _examples_of(run: Run, seed: int, step: int, rank: int, world: int) -> tuple
     return mine, max(1, sum(sum(1 for t in lab[1:] if t != IGNORE) for _, lab in every))
 
 
-def _device_batch(chunk: list, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    batch = collate(chunk, pad_id)
+def _device_batch(chunk: list, pad_id: int, device: torch.device, pack: bool = False) -> dict[str, torch.Tensor]:
+    batch = (collate_packed(chunk, pad_id) if pack else None) or collate(chunk, pad_id)
     if device.type == "cuda":  # pinned: the copy runs asynchronously, behind the kernels already queued
         batch["rows"] = supervised_rows(batch["labels"])
         return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _device_batches(examples: list, batch_size: int, pad_id: int, device: torch.device) -> list:
-    return [_device_batch(examples[i : i + batch_size], pad_id, device) for i in range(0, len(examples), batch_size)]
+def _device_batches(examples: list, batch_size: int, pad_id: int, device: torch.device, pack: bool = False) -> list:
+    return [_device_batch(examples[i : i + batch_size], pad_id, device, pack)
+            for i in range(0, len(examples), batch_size)]
 
 
 def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: int, pad_id: int,
-                loss_fn: LossFn = loss_sum, graphed: bool = False, ready: list | None = None) -> torch.Tensor:
-    """Forward and backward one optimizer step's examples in micro-batches (`ready`: made already); returns the
-    step's loss."""
+                loss_fn: LossFn = loss_sum, graphed: bool = False, ready: list | None = None,
+                pack: bool = False) -> torch.Tensor:
+    """Forward and backward one optimizer step's examples in micro-batches (`ready`: made already; `pack`: with
+    less padding, data.collate_packed); returns the step's loss."""
     micro = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
     device = accelerator.device
     parts = []  # kept on the device: one host sync per step, not one per micro-batch
     for i, chunk in enumerate(micro):
-        batch = ready[i] if ready is not None else _device_batch(chunk, pad_id, device)
+        batch = ready[i] if ready is not None else _device_batch(chunk, pad_id, device, pack)
         # DDP all-reduces gradients on every backward; only the step's last micro-batch needs it.
         sync = accelerator.no_sync(model) if i < len(micro) - 1 else nullcontext()
         with sync, accelerator.autocast():
@@ -744,6 +749,19 @@ def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: i
             own_gradients(model)
         parts.append(loss.detach().double())
     return torch.stack(parts).sum()  # on the device: read when the step is done, not after each micro-batch
+
+
+PACKED_MODEL_TYPES = ("llama",)  # packed position_ids verified to keep each example to itself (tests)
+
+
+def packs_records(cfg: TrainConfig, model, compiled: bool, data: TokenData | None) -> bool:
+    """Whether micro-batches are packed (data.collate_packed): training data of different lengths (.jsonl records;
+    text blocks are all --seq-len long and gain nothing), and auto: a Llama-family model with eager layers (packed
+    rows change shape from batch to batch, which compiled layers and CUDA graphs would recompile for); on: any."""
+    if cfg.pack_records == "off" or data is None or len({len(ids) for ids, _ in data.train}) < 2:
+        return False
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return cfg.pack_records == "on" or (not compiled and model_type in PACKED_MODEL_TYPES)
 
 
 def skips_on_device(optimizer, accelerator) -> bool:
