@@ -226,21 +226,32 @@ class _LoraLinear(torch.autograd.Function):
         return grad_x, grad_drop, None, None, grad_a, grad_b, None, None
 
 
+def _lora_name(layer) -> str | None:
+    """The adapter's name if `layer` is a PEFT LoRA linear computing base(x) + s B A dropout(x) plainly: one active
+    adapter (not disabled or merged), no DoRA or other variant, no LoRA bias, a frozen torch Linear under it; else
+    None. What the fused paths below may compute in their own way."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    if type(layer) is not LoraLinear or layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
+        return None
+    name, base = layer.active_adapters[0], layer.base_layer
+    if (name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name)
+            or type(layer.lora_A[name]) is not torch.nn.Linear or layer.lora_B[name].bias is not None
+            or type(base) is not torch.nn.Linear or base.weight.requires_grad
+            or (base.bias is not None and base.bias.requires_grad)):
+        return None
+    return name
+
+
 def _fused_lora_forward(self, x, *args, **kwargs):
-    """A PEFT lora.Linear's forward through `_LoraLinear` where it is plain LoRA on a frozen torch Linear with one
-    active adapter; anything else (adapters disabled or merged, DoRA, a LoRA bias, a quantized or trainable base,
-    mixed dtypes outside autocast, extra arguments) takes PEFT's own forward."""
+    """A PEFT lora.Linear's forward through `_LoraLinear` where it is plain LoRA (`_lora_name`); anything else
+    (adapters disabled or merged, DoRA, a LoRA bias, a quantized or trainable base, mixed dtypes outside autocast,
+    extra arguments, a dropout module PEFT did not make) takes PEFT's own forward."""
     plain = type(self).forward
-    base = self.base_layer
-    names = self.active_adapters
-    if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A:
+    name = None if args or kwargs else _lora_name(self)
+    if name is None:
         return plain(self, x, *args, **kwargs)
-    name = names[0]
-    lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-    if (name in getattr(self, "lora_variant", {}) or getattr(self, "use_dora", {}).get(name)
-            or type(lora_a) is not torch.nn.Linear or lora_b.bias is not None or type(base) is not torch.nn.Linear
-            or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
-        return plain(self, x, *args, **kwargs)
+    base, lora_a, lora_b = self.base_layer, self.lora_A[name], self.lora_B[name]
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -280,17 +291,10 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def _plain_lora(layer) -> str | None:
-    """The adapter name if `layer` is a PEFT LoRA linear whose output is base(x) + s B A x exactly (one active
-    adapter, no dropout, no DoRA or LoRA bias, a frozen bias-free torch Linear under it); else None."""
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
-    if type(layer) is not LoraLinear or layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
-        return None
-    name = layer.active_adapters[0]
-    base = layer.base_layer
-    if (name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name)
-            or type(layer.lora_A[name]) is not torch.nn.Linear or layer.lora_B[name].bias is not None
-            or type(base) is not torch.nn.Linear or base.bias is not None or base.weight.requires_grad):
+    """The adapter name if `layer` is plain LoRA (`_lora_name`) with no dropout over a bias-free base, whose output
+    is base(x) + s B A x exactly; else None."""
+    name = _lora_name(layer)
+    if name is None or layer.base_layer.bias is not None:
         return None
     dropout = layer.lora_dropout[name]
     if not (isinstance(dropout, torch.nn.Identity) or (type(dropout) is torch.nn.Dropout and dropout.p == 0)):
@@ -299,7 +303,7 @@ def _plain_lora(layer) -> str | None:
 
 
 def _frozen_linear(layer) -> bool:
-    return (type(layer) is torch.nn.Linear and layer.bias is None and not layer.weight.requires_grad)
+    return type(layer) is torch.nn.Linear and layer.bias is None and not layer.weight.requires_grad
 
 
 def _qkv_parts(module) -> list[str | None] | None:

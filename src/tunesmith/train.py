@@ -464,9 +464,10 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             t0 = time.perf_counter()
             if ahead is not None and ahead.step == step:
                 mine, n_tokens = ahead.examples, ahead.n_tokens
+                ready = ahead.batches if ahead.batch_size == batch_size else None
             else:
-                mine, n_tokens = _examples_of(run, cfg.seed, step, rank, world)
-            ready, ahead = (ahead.batches if ahead is not None and ahead.batch_size == batch_size else None), None
+                (mine, n_tokens), ready = _examples_of(run, cfg.seed, step, rank, world), None
+            ahead = None
             while True:  # out of memory: halve the micro-batch, double the accumulation, redo this step afresh
                 try:
                     step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss, run.graphed,
@@ -494,8 +495,9 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                 # in the backward pass, and the step's one wait is for the loss and norm read below.
                 stats = _step_on_device(optimizer, step_loss, norm)
                 if step + 1 < schedule.total:  # collated and copied while the GPU finishes this step
-                    ahead = _Ahead(step + 1, *_examples_of(run, cfg.seed, step + 1, rank, world), batch_size)
-                    ahead.batches = _device_batches(ahead.examples, batch_size, run.pad_id, acc.device, run.packed)
+                    examples, count = _examples_of(run, cfg.seed, step + 1, rank, world)
+                    ahead = _Ahead(step + 1, examples, count, batch_size,
+                                   _device_batches(examples, batch_size, run.pad_id, acc.device, run.packed))
                 step_loss, grad_norm = stats.tolist()  # the step's one wait for the device
                 bad = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
                 if not bad:
@@ -702,7 +704,7 @@ class _Ahead:
     examples: list
     n_tokens: int
     batch_size: int
-    batches: list | None = None
+    batches: list
 
 
 def _examples_of(run: Run, seed: int, step: int, rank: int, world: int) -> tuple[list, int]:
