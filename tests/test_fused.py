@@ -460,6 +460,21 @@ def test_liger_s_linear_cross_entropy_equals_the_chunked_one_on_cuda(softcap, tr
         assert F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) > 0.999
 
 
+@pytest.mark.parametrize("rows, hidden, vocab, const, chunk", [
+    (8192, 4096, 128256, 8, 2048),  # the Llama-3.1-8B row: Liger's default would take 256 rows at a time
+    (16384, 2048, 128256, 8, 2048),  # Llama-3.2-1B, seq 2048, micro-batch 8
+    (8192, 576, 49152, 64, 4096),  # SmolLM2-135M: the budget holds 5,461 rows; 64 is the largest tried
+    (300, 4096, 5000, 64, 300),  # one chunk: never more rows than there are
+])
+def test_liger_s_chunks_take_the_cuda_chunk_budget(rows, hidden, vocab, const, chunk):
+    assert fused.liger_chunk_const(rows, hidden, vocab) == const
+    # Liger 0.8.5's rule (ops/fused_linear_cross_entropy.py), written out: the chunk it then takes
+    parts = -(-vocab // (const * hidden))
+    got = min(2 ** math.ceil(math.log2(-(-rows // parts))), rows)
+    assert got == chunk
+    assert got * vocab * 2 <= fused.CHUNK_BYTES["cuda"]  # bf16 logits within the planner's chunk budget
+
+
 # ------------------------------------------------------------------------------------------------ fused q/k/v
 
 

@@ -124,11 +124,30 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
         # a trained output layer (full fine-tuning) sums its gradient over the chunks in float32, as the plain path does
-        return liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum", softcap=softcap or None,
-                                                accum_dtype=torch.float32 if weight.requires_grad else None).float()
+        return liger_fused_linear_cross_entropy(
+            hidden, weight, targets, reduction="sum", softcap=softcap or None,
+            accum_dtype=torch.float32 if weight.requires_grad else None,
+            chunk_mem_const=liger_chunk_const(hidden.shape[0], hidden.shape[1], weight.shape[0])).float()
     if rows is None:
         rows = chunk_rows(hidden.device.type, weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, targets, float(softcap), int(rows))
+
+
+def liger_chunk_const(rows: int, hidden: int, vocab: int) -> int:
+    """Liger's `chunk_mem_const` for a loss over `rows` rows: the largest (up to 64) whose chunks of bf16 logits stay
+    within the CUDA chunk budget (CHUNK_BYTES, the plain chunks' fp32 budget, so the fit planner's bound holds).
+    Liger's default (1) caps a chunk's logits at the hidden states' size: 256 rows at the Llama-3.1-8B shape, whose
+    products against the 128k-token output layer run further below the matmul peak than 2,048-row ones do.
+    Liger's rule: chunk = next power of two of rows / ceil(vocab / (const x hidden)), at most rows."""
+    limit = max(1, CHUNK_BYTES["cuda"] // (2 * vocab))
+    best = 1
+    for const in (2, 4, 8, 16, 32, 64):
+        parts = -(-vocab // (const * hidden))
+        chunk = min(1 << (max(1, -(-rows // parts)) - 1).bit_length(), rows)
+        if chunk > limit:
+            break
+        best = const
+    return best
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
