@@ -508,6 +508,23 @@ def compile_layers(model: torch.nn.Module, cuda_graphs: bool = False) -> int:
     return len(layers)
 
 
+LEAN_BUDGET = 0.9  # torch.compile's activation memory budget (1: keep what the partitioner would; 0: recompute all)
+
+
+def recomputing(enabled: bool):
+    """While layers compile inside this block, the compiler keeps less for their backward pass: its partitioner
+    recomputes cheap elementwise results (a norm's output from its input and 1/rms, SwiGLU's product from the gate
+    and up projections, which its own backward keeps anyway) instead of storing them, within LEAN_BUDGET of its
+    activation memory; products and attention are still kept, not recomputed. Layers compile at their first call,
+    so the block spans the training loop. Compiled code already cached in this process for the same layer code
+    and shapes is reused as it was compiled."""
+    if not enabled:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=LEAN_BUDGET)
+
+
 def uncompile_layers(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder layers back to eager calls (what `compile_layers` did, undone): the model that `train` returns
     generates with a KV cache, whose per-layer cache objects would make a compiled layer recompile per layer and a

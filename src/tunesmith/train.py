@@ -76,6 +76,7 @@ from tunesmith.fused import (
     fuse_qkv,
     liger_available,
     own_gradients,
+    recomputing,
     supervised_rows,
     supports_chunked_loss,
     uncompile_layers,
@@ -249,7 +250,8 @@ def train(
             loss = (partial(chunked_loss_sum, liger=run.liger_loss) if cfg.fused_loss
                     and supports_chunked_loss(run.model) else loss_sum)
         try:
-            train_loop(cfg, run, result, loss, callback, progress and run.accelerator.is_main_process)
+            with recomputing(run.recompute):  # layers compile at their first call, inside the loop
+                train_loop(cfg, run, result, loss, callback, progress and run.accelerator.is_main_process)
         except Exception as e:
             if run.accelerator.num_processes == 1 or not is_dist_failure(e):
                 raise
@@ -286,6 +288,7 @@ class Run:
     liger_loss: bool = False  # the fused loss through Liger's fused linear cross-entropy kernel
     skip_on_device: bool = False  # the non-finite guard's skip taken by the fused AdamW kernel (no sync before it)
     packed: bool = False  # micro-batches of records of different lengths packed into fewer rows
+    recompute: bool = False  # compiled layers recompute cheap elementwise results (fused.recomputing)
 
 
 def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
@@ -305,7 +308,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if fsdp and cfg.quantize_base != "none":
         raise TunesmithError("--quantize-base with --strategy fsdp: a quantized base is not sharded; use "
                              "--strategy ddp (each GPU holds the small quantized base), or drop --quantize-base")
-    fast_paths(cfg, device.type, 1, fsdp)  # --cuda-graphs on where it cannot be: refused before anything is written
+    # --cuda-graphs on / --recompute on where they cannot be: refused before anything is written
+    recomputes(cfg, fast_paths(cfg, device.type, 1, fsdp)[0])
     precision = resolve_precision(device, cfg.precision, training=True)
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -346,6 +350,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     compiled, graphs, liger = fast_paths(cfg, device.type, world, fsdp)
+    recompute = recomputes(cfg, compiled)
     liger_loss = uses_liger_loss(cfg, device.type, fsdp, model)
     kernels = _kernels(cfg, device, model, say, liger, liger_loss)
     kernels += [f"{cfg.quantize_base} base"] if cfg.quantize_base != "none" else []
@@ -370,6 +375,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if compiled:
         compile_layers(model, cuda_graphs=graphs)
         kernels.append("compiled layers" + (" as CUDA graphs" if graphs else ""))
+        kernels += ["cheap activations recomputed"] if recompute else []
     kernels += ["FSDP2"] if fsdp else ["DDP"] if world > 1 else []
     saver = Checkpointer(run_dir, cfg, device.type, precision, fingerprint, say)
     # Resume restores what the next step depends on: the LoRA weights, AdamW's moments, the schedule (whose horizon
@@ -419,7 +425,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     batch_size = min(batch_size, per_step // world)
     return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
                total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs, liger_loss,
-               skips_on_device(optimizer, accelerator), packed)
+               skips_on_device(optimizer, accelerator), packed, recompute)
 
 
 def _examples_per_step(cfg: TrainConfig, ckpt: Checkpoint | None, batch_size: int, world: int, say) -> int:
@@ -638,6 +644,17 @@ def fast_paths(cfg: TrainConfig, device_type: str, world: int, fsdp: bool) -> tu
         or (cfg.cuda_graphs == "auto" and world == 1 and not cfg.gradient_checkpointing
             and cfg.quantize_base == "none" and cfg.fine_tune_type == "lora"))
     return compiled, graphs, cfg.liger and device_type == "cuda" and not graphs
+
+
+def recomputes(cfg: TrainConfig, compiled: bool) -> bool:
+    """Whether compiled layers recompute cheap elementwise results instead of keeping them (fused.recomputing):
+    auto and on where the layers are compiled. Eager layers keep what autograd keeps, so on without compiled layers
+    is refused."""
+    if cfg.recompute == "on" and not compiled:
+        raise TunesmithError("--recompute on works through compiled layers, and this run's layers are not compiled: "
+                             "add --compile on, or leave --recompute at auto (--gradient-checkpointing saves more "
+                             "memory on any device)")
+    return compiled and cfg.recompute != "off"
 
 
 def uses_liger_loss(cfg: TrainConfig, device_type: str, fsdp: bool, model) -> bool:
