@@ -681,19 +681,89 @@ def test_recomputing_keeps_less_and_gives_the_same_gradients(tokenizer):
         torch.testing.assert_close(lean[name], plain[name], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("setting, compiled, expected", [
-    ("auto", True, True), ("auto", False, False), ("off", True, False), ("on", True, True)])
-def test_recompute_goes_where_layers_are_compiled(setting, compiled, expected):
-    from tunesmith.config import TrainConfig
-    from tunesmith.train import recomputes
+def _lean_pair(tokenizer, dtype=torch.float32):
+    """One tiny Llama (its base weights in `dtype`, as train loads them) with LoRA on every linear (B not zero),
+    and an identical copy with lean layers."""
+    models = []
+    for _ in range(2):
+        base = make_model(tokenizer).to(dtype)
+        model = attach_lora(base, rank=4, alpha=8, dropout=0.0, targets=["all-linear"])
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+        models.append(model)
+    assert fused.lean_layers(models[1]) == ["rms_norm", "swiglu"]
+    return models
 
-    assert recomputes(TrainConfig(recompute=setting), compiled) is expected
+
+def _kept_bytes_loss_grads(model, batch, autocast=False):
+    params = {p.data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            kept[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss, _ = loss_sum(model, batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return sum(kept.values()), loss.detach(), grads
 
 
-def test_recompute_on_without_compiled_layers_is_one_error_before_anything_is_written(tmp_path, tiny_dir, text_file):
-    from tunesmith.errors import TunesmithError
+@pytest.mark.parametrize("autocast", [False, True])
+def test_lean_layers_keep_less_and_give_the_same_loss_and_gradients(tokenizer, autocast):
+    # bf16 as train runs it: a bf16 base, fp32 LoRA weights, autocast
+    plain, lean = _lean_pair(tokenizer, torch.bfloat16 if autocast else torch.float32)
+    ids = torch.randint(3, len(tokenizer), (2, 48))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    plain_bytes, plain_loss, plain_grads = _kept_bytes_loss_grads(plain, batch, autocast)
+    lean_bytes, lean_loss, lean_grads = _kept_bytes_loss_grads(lean, batch, autocast)
+    assert torch.equal(lean_loss, plain_loss)  # the forward is the same computation
+    assert plain_grads.keys() == lean_grads.keys() and len(plain_grads) == 2 * 7 * 2
+    tol = dict(rtol=2e-2, atol=1e-4) if autocast else dict(rtol=1e-4, atol=1e-6)
+    for name in plain_grads:
+        torch.testing.assert_close(lean_grads[name], plain_grads[name], **tol)
+    tokens, hidden, inter, layers = 2 * 48, 64, 128, 2
+    # silu(gate) is no longer kept: one MLP-wide tensor a layer (fp32, or bf16 under autocast); under autocast each
+    # norm also keeps its bf16 input instead of the fp32 upcast (half of 4 bytes x hidden, two norms a layer)
+    saved = layers * tokens * inter * (2 if autocast else 4) + (layers * 2 * tokens * hidden * 2 if autocast else 0)
+    assert plain_bytes - lean_bytes >= saved
+    fused.unlean_layers(lean)
+    assert not any("forward" in vars(m) for m in lean.modules() if type(m).__name__.endswith(("RMSNorm", "MLP")))
 
-    cfg = tiny_train_config(tmp_path, tiny_dir, text_file, recompute="on", compile="off")
-    with pytest.raises(TunesmithError, match=r"--recompute on works through compiled layers.*--compile on"):
-        train(cfg, progress=False)
-    assert not (tmp_path / "run").exists()
+
+def test_lean_norm_gives_the_weight_gradient_of_a_training_norm(tokenizer):
+    plain, lean = _lean_pair(tokenizer)
+    for model in (plain, lean):
+        for name, p in model.named_parameters():
+            p.requires_grad_("norm" in name)
+    ids = torch.randint(3, len(tokenizer), (2, 48))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    _, _, plain_grads = _kept_bytes_loss_grads(plain, batch)
+    _, _, lean_grads = _kept_bytes_loss_grads(lean, batch)
+    assert len(plain_grads) == 2 * 2 + 1  # two norms a layer and the final one
+    for name in plain_grads:
+        torch.testing.assert_close(lean_grads[name], plain_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_lean_layers_leave_other_architectures_alone(tokenizer):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert fused.lean_layers(Gemma3ForCausalLM(config)) == []
+
+
+def test_train_recomputes_in_eager_layers_and_its_switch_turns_it_off(tmp_path, tiny_dir, text_file, capsys):
+    on = train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=3, output=str(tmp_path / "on")),
+               progress=True)
+    assert "cheap activations recomputed" in capsys.readouterr().err
+    assert not any("forward" in vars(m) for m in on.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP")))
+    off = train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=3, output=str(tmp_path / "off"),
+                                  recompute=False), progress=True)
+    assert "recomputed" not in capsys.readouterr().err
+    assert on.losses == pytest.approx(off.losses, rel=1e-5)

@@ -141,7 +141,7 @@ def test_training_starts_by_naming_device_precision_and_trainable_parameters(tmp
     assert r.trainable_params == lora
     lines = [x for x in capsys.readouterr().err.splitlines() if "trainable parameters" in x]
     assert lines == [f"tunesmith: training on cpu in fp32: {lora:,} trainable parameters, "
-                     f"{lora / (every + lora):.2%} of {every + lora:,}; fused loss, fused LoRA"]
+                     f"{lora / (every + lora):.2%} of {every + lora:,}; fused loss, fused LoRA, cheap activations recomputed"]
 
 
 # ---- the time budget and its floor ---------------------------------------------------------------------------

@@ -242,11 +242,12 @@ class TrainConfig(DataConfig, ModelConfig):
                            "mode): one launch instead of dozens, which is what bounds a small model's step; Liger's "
                            "kernels give way to the compiler's own fusions there. auto: on where layers are compiled "
                            "on one CUDA GPU for LoRA, without gradient checkpointing or a quantized base; on; off", choices=["auto", "on", "off"])
-    recompute: str = opt("auto", "compiled layers keep less for the backward pass: the compiler recomputes cheap "
-                         "elementwise results (the normed inputs, the SwiGLU product) from tensors it keeps anyway "
-                         "instead of storing them (torch.compile's activation memory budget, 0.9); on an H200 0.72x "
-                         "(Llama-3.2-1B) and 0.76x (Llama-3.1-8B) the peak at the same speed. auto: on where layers "
-                         "are compiled; on; off", choices=["auto", "on", "off"])
+    recompute: bool = opt(True, "keep less for the backward pass and recompute cheap elementwise results instead: "
+                          "compiled layers through torch.compile's activation memory budget (0.9: the normed "
+                          "inputs and the SwiGLU product recomputed; on an H200 0.72x (Llama-3.2-1B) and 0.76x "
+                          "(Llama-3.1-8B) the peak at 0.99x the speed); eager Llama-family layers (CPU, MPS, "
+                          "--compile off) through plain-PyTorch RMSNorm and SwiGLU functions that keep their "
+                          "inputs only")
     fused_lora: str = opt("auto", "each LoRA layer adds its low-rank product into the base layer's output (and its "
                           "input gradient) in place, instead of building, scaling and adding a full-size tensor. "
                           "auto: on where the layers run eagerly (CPU, MPS, --compile off), off in compiled layers, "

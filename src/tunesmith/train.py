@@ -74,6 +74,7 @@ from tunesmith.fused import (
     eager_layers,
     fuse_lora,
     fuse_qkv,
+    lean_layers,
     liger_available,
     own_gradients,
     recomputing,
@@ -81,6 +82,7 @@ from tunesmith.fused import (
     supports_chunked_loss,
     uncompile_layers,
     unfuse_qkv,
+    unlean_layers,
 )
 from tunesmith.lora import attach_lora, save_adapter, trainable_parameters, unfreeze
 from tunesmith.models import load_model, load_tokenizer
@@ -308,8 +310,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if fsdp and cfg.quantize_base != "none":
         raise TunesmithError("--quantize-base with --strategy fsdp: a quantized base is not sharded; use "
                              "--strategy ddp (each GPU holds the small quantized base), or drop --quantize-base")
-    # --cuda-graphs on / --recompute on where they cannot be: refused before anything is written
-    recomputes(cfg, fast_paths(cfg, device.type, 1, fsdp)[0])
+    fast_paths(cfg, device.type, 1, fsdp)  # --cuda-graphs on where it cannot be: refused before anything is written
     precision = resolve_precision(device, cfg.precision, training=True)
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -350,7 +351,6 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     compiled, graphs, liger = fast_paths(cfg, device.type, world, fsdp)
-    recompute = recomputes(cfg, compiled)
     liger_loss = uses_liger_loss(cfg, device.type, fsdp, model)
     kernels = _kernels(cfg, device, model, say, liger, liger_loss)
     kernels += [f"{cfg.quantize_base} base"] if cfg.quantize_base != "none" else []
@@ -375,7 +375,9 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if compiled:
         compile_layers(model, cuda_graphs=graphs)
         kernels.append("compiled layers" + (" as CUDA graphs" if graphs else ""))
-        kernels += ["cheap activations recomputed"] if recompute else []
+        kernels += ["cheap activations recomputed"] if cfg.recompute else []
+    elif cfg.recompute and not fsdp and lean_layers(model):
+        kernels.append("cheap activations recomputed")
     kernels += ["FSDP2"] if fsdp else ["DDP"] if world > 1 else []
     saver = Checkpointer(run_dir, cfg, device.type, precision, fingerprint, say)
     # Resume restores what the next step depends on: the LoRA weights, AdamW's moments, the schedule (whose horizon
@@ -425,7 +427,7 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     batch_size = min(batch_size, per_step // world)
     return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
                total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs, liger_loss,
-               skips_on_device(optimizer, accelerator), packed, recompute)
+               skips_on_device(optimizer, accelerator), packed, compiled and cfg.recompute)
 
 
 def _examples_per_step(cfg: TrainConfig, ckpt: Checkpoint | None, batch_size: int, world: int, say) -> int:
@@ -591,7 +593,7 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
         if acc.is_main_process:  # records the model it needs, and how its base was held
             save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights)
     acc.wait_for_everyone()
-    result.model = unfuse_qkv(uncompile_layers(model))
+    result.model = unlean_layers(unfuse_qkv(uncompile_layers(model)))
     return result
 
 
@@ -644,17 +646,6 @@ def fast_paths(cfg: TrainConfig, device_type: str, world: int, fsdp: bool) -> tu
         or (cfg.cuda_graphs == "auto" and world == 1 and not cfg.gradient_checkpointing
             and cfg.quantize_base == "none" and cfg.fine_tune_type == "lora"))
     return compiled, graphs, cfg.liger and device_type == "cuda" and not graphs
-
-
-def recomputes(cfg: TrainConfig, compiled: bool) -> bool:
-    """Whether compiled layers recompute cheap elementwise results instead of keeping them (fused.recomputing):
-    auto and on where the layers are compiled. Eager layers keep what autograd keeps, so on without compiled layers
-    is refused."""
-    if cfg.recompute == "on" and not compiled:
-        raise TunesmithError("--recompute on works through compiled layers, and this run's layers are not compiled: "
-                             "add --compile on, or leave --recompute at auto (--gradient-checkpointing saves more "
-                             "memory on any device)")
-    return compiled and cfg.recompute != "off"
 
 
 def uses_liger_loss(cfg: TrainConfig, device_type: str, fsdp: bool, model) -> bool:
