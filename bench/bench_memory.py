@@ -52,6 +52,7 @@ class Case:
     fine_tune_type: str = "lora"
     quantize_base: str = "none"
     optimizer: str = "adamw"
+    recompute: bool = True  # train's --recompute (its default)
 
 
 SUITES = {
@@ -64,6 +65,10 @@ SUITES = {
         Case("smol-s256-b4-all-bf16", "real:smollm2-135m-instruct", 256, 4, lora_targets=("all-linear",),
              lora_dropout=0.0, precision="bf16"),
         Case("1b-s128-b2", L1B, 128, 2),
+        Case("smol-s512-b2-r16-all-norecompute", "real:smollm2-135m-instruct", 512, 2, 16, ("all-linear",),
+             recompute=False),
+        Case("smol-s256-b4-all-bf16-norecompute", "real:smollm2-135m-instruct", 256, 4, lora_targets=("all-linear",),
+             lora_dropout=0.0, precision="bf16", recompute=False),
         Case("1b-s256-b1-r16-all-ckpt", L1B, 256, 1, 16, ("all-linear",), gradient_checkpointing=True),
     ],
     # The training modes on the CPU: the real SmolLM2-135M at the demo's shape (and all-linear for DoRA / QLoRA).
@@ -148,7 +153,7 @@ def run_case(case: Case, device: str) -> dict:
         batch_size=case.batch_size, grad_accum=1, max_steps=case.steps, warmup_steps=1, eval_every=0,
         lora_rank=case.lora_rank, lora_targets=list(case.lora_targets), lora_dropout=case.lora_dropout,
         gradient_checkpointing=case.gradient_checkpointing, output=out, seed=0, fine_tune_type=case.fine_tune_type,
-        quantize_base=case.quantize_base, optimizer=case.optimizer,
+        quantize_base=case.quantize_base, optimizer=case.optimizer, recompute=case.recompute,
     )
     t0 = time.perf_counter()
     result = train(cfg, model=model, data=data, progress=False)

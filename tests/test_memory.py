@@ -108,6 +108,37 @@ def test_activations_equal_what_autograd_keeps(tokenizer, precision, dropout, ta
     assert kept == pytest.approx(predicted + adapter_copies, rel=0.02)
 
 
+@pytest.mark.parametrize(("precision", "dropout", "targets"), [
+    ("fp32", 0.0, ["q_proj", "v_proj"]),
+    ("fp32", 0.1, ["all-linear"]),
+    ("bf16", 0.1, ["q_proj", "v_proj"]),
+    ("bf16", 0.0, ["all-linear"]),
+])
+def test_recompute_activations_equal_what_autograd_keeps(tokenizer, precision, dropout, targets):
+    """--recompute's eager functions (fused.lean_layers) against the tensors saved for backward, as above."""
+    from tunesmith import fused
+
+    b, s = 2, 64
+    kept, predicted = {}, {}
+    for lean in (False, True):
+        model = make_model(tokenizer, layers=3, hidden=128).to(torch.bfloat16 if precision == "bf16" else torch.float32)
+        shape = M.ModelShape.from_config(model.config)
+        assert shape.lean
+        model = attach_lora(model, 8, 16.0, dropout, targets)
+        if lean:
+            assert fused.lean_layers(model) == ["rms_norm", "swiglu"]
+        kept[lean] = _kept_by_one_forward(model, shape.vocab, b, s, precision, False)
+        setup = M.TrainSetup(seq_len=s, batch_size=b, lora_targets=tuple(targets), lora_dropout=dropout,
+                             precision=precision, device_type="cpu", recompute=lean)
+        parts = M.train_parts(shape, setup)
+        adapter_copies = 0 if precision == "fp32" else parts["adapter"] // 3  # autocast's bf16 copies of A and B
+        predicted[lean] = parts["activations"] + 4 * shape.vocab * b * (s - 1) + adapter_copies  # + fp32 log-softmax
+    # what --recompute removes, to the byte: SiLU(gate) per layer, and under bf16 half of each norm's fp32 input
+    assert kept[False] - kept[True] == predicted[False] - predicted[True]
+    assert kept[False] - kept[True] >= shape.layers * shape.intermediate * (4 if precision == "fp32" else 2) * b * s
+    assert kept[True] == pytest.approx(predicted[True], rel=0.03)  # the eager plan's own gap (2% in bf16) remains
+
+
 EVERY_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # all-linear, as a list:
 # PEFT refuses layers_to_transform with target_modules="all-linear"
 
@@ -152,23 +183,28 @@ def test_dora_and_last_layers_activations_equal_what_autograd_keeps(tokenizer, k
     assert kept == pytest.approx(predicted, rel=0.01)
 
 
-@pytest.mark.parametrize(("precision", "num_layers", "ckpt"), [
-    ("fp32", 0, False), ("bf16", 0, False), ("fp32", 1, False), ("bf16", 1, False), ("bf16", 2, False),
-    ("fp32", 0, True),
+@pytest.mark.parametrize(("precision", "num_layers", "ckpt", "lean"), [
+    ("fp32", 0, False, False), ("bf16", 0, False, False), ("fp32", 1, False, False), ("bf16", 1, False, False),
+    ("bf16", 2, False, False), ("fp32", 0, True, False),
+    ("fp32", 0, False, True), ("bf16", 0, False, True), ("bf16", 1, False, True),
 ])
-def test_full_fine_tuning_activations_equal_what_autograd_keeps(tokenizer, precision, num_layers, ckpt):
+def test_full_fine_tuning_activations_equal_what_autograd_keeps(tokenizer, precision, num_layers, ckpt, lean):
     """Full fine-tuning as train runs it (the whole model in fp32, autocast for bf16; with num_layers only the last
-    layers' parameters train): the plan equals the saved tensors to the byte, once the rotary tables and the loss's
-    targets, which it leaves out, are added."""
+    layers' parameters train; `lean`: --recompute's eager functions): the plan equals the saved tensors to the byte,
+    once the rotary tables and the loss's targets, which it leaves out, are added."""
+    from tunesmith import fused
+
     model = make_model(tokenizer, layers=3, hidden=128)
     shape = M.ModelShape.from_config(model.config)
+    if lean:
+        assert fused.lean_layers(model) == ["rms_norm", "swiglu"]
     model.requires_grad_(num_layers == 0)
     for layer in model.model.layers[3 - num_layers:] if num_layers else []:
         layer.requires_grad_(True)
     b, s = 2, 64
     kept = _kept_by_one_forward(model, shape.vocab, b, s, precision, ckpt)
     setup = M.TrainSetup(seq_len=s, batch_size=b, precision=precision, gradient_checkpointing=ckpt, device_type="cpu",
-                         fine_tune_type="full", num_layers=num_layers)
+                         fine_tune_type="full", num_layers=num_layers, recompute=lean)
     assert sum(M.trainable_tensors(shape, setup)) == sum(p.numel() for p in model.parameters() if p.requires_grad)
     parts = M.train_parts(shape, setup)
     rotary = 0 if ckpt else 2 * s * shape.head_dim * 4  # checkpointed layers keep their tables only when recomputed
@@ -341,7 +377,8 @@ def test_fit_verb_lists_the_modes_that_fit(capsys):
     assert main(args) == 0
     rows = _table_rows(capsys.readouterr().out)
     shape = M.ModelShape.from_config(M.read_model_config("meta-llama/Llama-3.1-8B"))
-    s = M.TrainSetup(seq_len=2048, batch_size=4, precision="bf16", device_type="cpu", fused_loss=True)
+    s = M.TrainSetup(seq_len=2048, batch_size=4, precision="bf16", device_type="cpu", fused_loss=True,
+                     recompute=True)  # train's default
     expected = M.mode_table(shape, s, int(16 * GIB * M.HEADROOM))
     assert list(M.MODES) == ["lora", "dora", "qlora nf4", "qlora int4", "qlora int8", "full (adamw)", "full (adamw8bit)"]
     for mode in M.MODES:

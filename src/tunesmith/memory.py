@@ -113,10 +113,13 @@ class ModelShape:
     head_name: str = "lm_head"
     tied: bool = False  # output head shares the embedding matrix
     parameters: dict[str, int] = field(default_factory=dict)  # parameter name -> numel (tied ones once)
+    lean: bool = False  # a Llama-family model with a SiLU MLP: --recompute's eager functions apply (fused.lean_layers)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
         from transformers import AutoModelForCausalLM
+
+        from tunesmith.fused import LIGER_MODEL_TYPES
 
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         with torch.device("meta"):
@@ -138,6 +141,7 @@ class ModelShape:
             linears=linears,
             head_name=head_name,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
+            lean=getattr(config, "model_type", None) in LIGER_MODEL_TYPES and getattr(text, "hidden_act", "silu") == "silu",
             parameters={n: p.numel() for n, p in model.named_parameters()},
         )
 
@@ -172,6 +176,7 @@ class TrainSetup:
     num_layers: int = 0  # adapt (full: train) only the last N decoder layers; 0, -1 or >= the layers: all
     world: int = 1  # processes (GPUs) training together; the plan is per process
     strategy: str = "ddp"  # ddp (every GPU the whole model) | fsdp (FSDP2: weights, gradients, moments sharded)
+    recompute: bool = False  # --recompute: norms and the gated MLP keep their inputs only (where the model allows)
 
     @property
     def full(self) -> bool:
@@ -286,10 +291,21 @@ def layer_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
     """
     a = 4 if s.precision == "fp32" else 2  # activation bytes: autocast runs matmuls in bf16/fp16
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    total = 2 * (4 * shape.hidden + 4)  # each RMSNorm keeps its input in fp32 and the 1/rms per token
+    if _lean(shape, s):  # --recompute's functions: each norm keeps its input as the residual stream holds it (the
+        residual = 4 if s.precision == "fp32" or s.full else 2  # weights' dtype; fp32 masters for full) and 1/rms
+        total = 2 * (residual * shape.hidden + 4)
+    else:
+        total = 2 * (4 * shape.hidden + 4)  # each RMSNorm keeps its input in fp32 and the 1/rms per token
     total += (q + 2 * kv + q) * a + shape.heads * 4  # attention keeps q, k, v (un-repeated: GQA), output, logsumexp
-    total += 3 * shape.intermediate * a  # gated MLP keeps gate (for SiLU), SiLU(gate) and up (for the product)
+    # gated MLP keeps gate (for SiLU), SiLU(gate) and up (for the product); --recompute: gate and up only
+    total += (2 if _lean(shape, s) else 3) * shape.intermediate * a
     return total
+
+
+def _lean(shape: ModelShape, s: TrainSetup) -> bool:
+    """Whether train applies --recompute's eager functions (fused.lean_layers; not under FSDP2, whose layers it
+    leaves as they are)."""
+    return s.recompute and shape.lean and not (s.strategy == "fsdp" and s.world > 1)
 
 
 def full_layer_extra_bytes(shape: ModelShape, s: TrainSetup) -> int:
@@ -302,15 +318,17 @@ def full_layer_extra_bytes(shape: ModelShape, s: TrainSetup) -> int:
     h = shape.hidden
     inputs = 2 * 4 * h if s.precision == "fp32" else 5 * 2 * h
     o_proj = 0 if s.fused_sdpa else shape.heads * shape.head_dim * a  # the math kernel's output is copied first
-    return 2 * 4 * h + inputs + o_proj + shape.intermediate * a
+    norms = 0 if _lean(shape, s) else 2 * 4 * h  # --recompute's norm recomputes its normalised input for its weight
+    return norms + inputs + o_proj + shape.intermediate * a
 
 
 def tail_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
     """Per token, outside the decoder layers: the final norm's fp32 input and 1/rms; when every layer of a full
     fine-tuning trains, also its normed input (its weight trains), the head's input and the embedding's token ids."""
-    total = 4 * shape.hidden + 4
+    lean = _lean(shape, s)  # --recompute: the final norm keeps its input as the residual stream holds it
+    total = (4 if s.precision == "fp32" or s.full or not lean else 2) * shape.hidden + 4
     if s.full and _every_layer(shape, s):
-        total += 4 * shape.hidden + (4 if s.precision == "fp32" else 2) * shape.hidden + 8
+        total += (0 if lean else 4 * shape.hidden) + (4 if s.precision == "fp32" else 2) * shape.hidden + 8
     return total
 
 
@@ -443,7 +461,14 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     else:
         # The lowest trained layer's first norm keeps nothing for its input, which needs no gradient (the frozen
         # embedding's output); a full fine-tuning of every layer trains the embedding, so there it does.
-        first = 0 if s.full and kept == shape.layers else 4 * shape.hidden + 4
+        # --recompute's norm keeps its input (as the residual stream holds it) only for a gradient, and under full
+        # fine-tuning its weight trains and needs it.
+        if s.full and kept == shape.layers or _lean(shape, s) and s.full:
+            first = 0
+        elif _lean(shape, s):
+            first = (4 if s.precision == "fp32" else 2) * shape.hidden + 4
+        else:
+            first = 4 * shape.hidden + 4
         per_token = kept * layer - first + lora
         activations = per_token * tokens + (kept + 1) * scores + fixed
     activations += tail_activation_bytes(shape, s) * tokens
@@ -652,7 +677,7 @@ def plan_run(
         fused_loss=bool(getattr(cfg, "fused_loss", False)),
         fine_tune_type=getattr(cfg, "fine_tune_type", "lora"), quantize_base=getattr(cfg, "quantize_base", "none"),
         num_layers=int(getattr(cfg, "num_layers", 0)), world=max(1, world),
-        strategy=getattr(cfg, "strategy", "ddp"),
+        strategy=getattr(cfg, "strategy", "ddp"), recompute=bool(getattr(cfg, "recompute", True)),
     )
     p = plan(shape, setup, total, available)
     if auto:
