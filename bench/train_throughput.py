@@ -225,9 +225,10 @@ def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], lis
             load_in_16bit=True, local_files_only=True)
         model = FastLanguageModel.get_peft_model(
             model, r=row.rank, target_modules=ALL_LINEAR if all_linear else list(row.targets),
-            lora_alpha=row.alpha, lora_dropout=a.dropout, bias="none", use_gradient_checkpointing="unsloth",
-            random_state=0)
-        notes["gradient_checkpointing"] = "unsloth (its default; the other tools run without)"
+            lora_alpha=row.alpha, lora_dropout=a.dropout, bias="none",
+            use_gradient_checkpointing="unsloth" if a.unsloth_checkpointing == "unsloth" else False, random_state=0)
+        notes["gradient_checkpointing"] = ("unsloth (its default; the other tools run without)"
+                                           if a.unsloth_checkpointing == "unsloth" else "off, as the other tools")
     else:
         if a.worker == "liger":
             import liger_kernel  # noqa: F401  -- missing: a clear ImportError before the model loads
@@ -416,6 +417,7 @@ def drive(a) -> int:
                     "--worker", tool, "--row", name, "--dropout", str(dropout), "--device", a.device,
                     "--steps", str(steps), "--warmup", str(warmup), "--workdir", str(workdir),
                     "--model-dir", prep["folder"], "--peak-flops", str(peak_flops), "--ts-flags", a.ts_flags,
+                    "--unsloth-checkpointing", a.unsloth_checkpointing,
                 ], a.timeout, workdir / "logs" / f"{name}-p{dropout:g}-{tool}.log")
                 r = {"tool": tool, "row": name, "dropout": dropout, "tokens_per_s": None, "peak_gib": None,
                      "mfu": None, "losses": [], **(r or {})}
@@ -447,6 +449,9 @@ def main() -> int:
     ap.add_argument("--ts-flags", default="",
                     help="TrainConfig fields for tunesmith and tunesmith-plain, e.g. 'compile=on,seed=1' "
                     "(tunesmith-plain then sets PLAIN_FLAGS over them)")
+    ap.add_argument("--unsloth-checkpointing", choices=["unsloth", "off"], default="unsloth",
+                    help="Unsloth's use_gradient_checkpointing: its default ('unsloth': offloaded checkpoints), or off "
+                         "as the other tools run (the configuration of the figures first quoted for it)")
     ap.add_argument("--out", default="", help="JSON Lines file the results are appended to "
                     "(default: <workdir>/results.jsonl)")
     ap.add_argument("--workdir", default="/tmp/tt-bench", help="model folders, logs, temporary run folders")
