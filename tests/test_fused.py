@@ -115,9 +115,10 @@ def test_under_bf16_autocast_the_chunked_loss_stays_close(tokenizer):
 def test_fifty_steps_with_the_fused_loss_follow_the_plain_losses(tmp_path, tiny_dir, text_file):
     """Acceptance: the optimized path's 50 losses within 1% of the plain path's (same seed, same data)."""
     runs = {}
-    for name, on in (("plain", False), ("fused", True)):  # the fused loss and the fused LoRA layers, or neither
+    for name, on in (("plain", False), ("fused", True)):  # the fused loss, fused LoRA, recomputation, or none
         cfg = tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / name), max_steps=50,
-                                fused_loss=on, fused_lora="on" if on else "off", lora_dropout=0.05, lr=5e-3)
+                                fused_loss=on, fused_lora="on" if on else "off", recompute=on, lora_dropout=0.05,
+                                lr=5e-3)
         runs[name] = train(cfg, progress=False).losses
     assert len(runs["fused"]) == 50
     assert runs["fused"] == pytest.approx(runs["plain"], rel=1e-2)
