@@ -768,3 +768,15 @@ def test_train_recomputes_in_eager_layers_and_its_switch_turns_it_off(tmp_path, 
                                   recompute=False), progress=True)
     assert "recomputed" not in capsys.readouterr().err
     assert on.losses == pytest.approx(off.losses, rel=1e-5)
+
+
+def test_lean_layers_pass_over_modules_liger_already_replaced(tokenizer, fake_liger):
+    model = make_model(tokenizer)
+    assert fused.apply_liger(model) == ["rms_norm", "rope", "swiglu"]
+    assert fused.lean_layers(model) == []  # Liger's kernels keep no more than the lean functions would
+    ids = torch.randint(3, len(tokenizer), (1, 16))
+    calls = dict(fake_liger)
+    model(input_ids=ids)
+    assert fake_liger["swiglu"] > calls["swiglu"] and fake_liger["rms_norm"] > calls["rms_norm"]
+    fused.unlean_layers(model)  # leaves Liger's forwards in place
+    assert all("forward" in vars(m) for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP")))

@@ -440,15 +440,11 @@ def apply_liger(model: torch.nn.Module) -> list[str]:
     process keep the eager ones), and its RoPE wherever the inputs are CUDA tensors. Call before LoRA is attached
     or after: the MLP still calls its own gate/up/down projections, LoRA-wrapped or not. Returns what was
     replaced (empty: not a Llama-family model)."""
-    from types import MethodType
-
     from liger_kernel.transformers.functional import liger_rms_norm, liger_swiglu
 
     lm = causal_lm(model)
     if getattr(lm.config, "model_type", None) not in LIGER_MODEL_TYPES:
         return []
-    act = getattr(lm.config, "hidden_act", "silu")
-    done = []
 
     def rms_norm(self, x):
         return liger_rms_norm(x, self.weight, self.variance_epsilon)
@@ -456,17 +452,32 @@ def apply_liger(model: torch.nn.Module) -> list[str]:
     def swiglu(self, x):
         return self.down_proj(liger_swiglu(self.gate_proj(x), self.up_proj(x)))
 
-    for module in lm.modules():
-        kind = type(module).__name__
-        if kind.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = MethodType(rms_norm, module)
-            done.append("rms_norm")
-        elif kind.endswith("MLP") and act == "silu" and all(hasattr(module, p) for p in ("gate_proj", "up_proj",
-                                                                                          "down_proj")):
-            module.forward = MethodType(swiglu, module)
-            done.append("swiglu")
+    done = _replace_norms_and_mlps(lm, rms_norm, swiglu)
     if _patch_rope(lm):
         done.append("rope")
+    return sorted(set(done))
+
+
+def _replace_norms_and_mlps(lm, norm_forward, mlp_forward) -> list[str]:
+    """Give each RMSNorm of a Llama-family model `norm_forward` and each SiLU-gated MLP `mlp_forward`, instance by
+    instance (other models in the process keep their own), passing over modules already given one; returns what
+    was replaced. What Liger's kernels and `lean_layers` both replace."""
+    from types import MethodType
+
+    if getattr(lm.config, "model_type", None) not in LIGER_MODEL_TYPES:
+        return []
+    silu = getattr(lm.config, "hidden_act", "silu") == "silu"
+    done = []
+    for module in lm.modules():
+        if "forward" in vars(module):
+            continue
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = MethodType(norm_forward, module)
+            done.append("rms_norm")
+        elif kind.endswith("MLP") and silu and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            module.forward = MethodType(mlp_forward, module)
+            done.append("swiglu")
     return sorted(set(done))
 
 
@@ -581,25 +592,7 @@ def lean_layers(model: torch.nn.Module) -> list[str]:
     projections without silu(gate), recomputing the rest in backward. Plain PyTorch, so the CPU and MPS get it;
     same outputs, gradients to float rounding. Llama-family models only (Liger's kernels, where applied, already
     keep no more); instance by instance, undone by `unlean_layers`. Returns what was replaced."""
-    from types import MethodType
-
-    lm = causal_lm(model)
-    if getattr(lm.config, "model_type", None) not in LIGER_MODEL_TYPES:
-        return []
-    act = getattr(lm.config, "hidden_act", "silu")
-    done = []
-    for module in lm.modules():
-        kind = type(module).__name__
-        if "forward" in vars(module):  # already replaced (Liger's kernels)
-            continue
-        if kind.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = MethodType(_lean_norm, module)
-            done.append("rms_norm")
-        elif kind.endswith("MLP") and act == "silu" and all(hasattr(module, p) for p in ("gate_proj", "up_proj",
-                                                                                          "down_proj")):
-            module.forward = MethodType(_lean_mlp, module)
-            done.append("swiglu")
-    return sorted(set(done))
+    return _replace_norms_and_mlps(causal_lm(model), _lean_norm, _lean_mlp)
 
 
 def unlean_layers(model: torch.nn.Module) -> torch.nn.Module:

@@ -463,7 +463,7 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         # embedding's output); a full fine-tuning of every layer trains the embedding, so there it does.
         # --recompute's norm keeps its input (as the residual stream holds it) only for a gradient, and under full
         # fine-tuning its weight trains and needs it.
-        if s.full and kept == shape.layers or _lean(shape, s) and s.full:
+        if s.full and (kept == shape.layers or _lean(shape, s)):
             first = 0
         elif _lean(shape, s):
             first = (4 if s.precision == "fp32" else 2) * shape.hidden + 4
