@@ -1,0 +1,113 @@
+"""Where a training step's GPU time goes: tunesmith's trainer on one row of bench/train_throughput.py, profiled.
+
+The row's model, data and settings are train_throughput's own (random weights of the real shape, bf16, dropout 0
+unless --dropout says otherwise, --ts-flags as there). torch.profiler records --profile steps after --skip
+steps (compilation, CUDA graph capture and allocator growth left out); the CUDA kernels' time is then summed by
+kind (matrix products, attention, Triton kernels: Inductor's and Liger's, copies, the rest) and the --top kernels
+are listed. Needs a CUDA device and what train_throughput's tunesmith worker needs.
+
+    python bench/profile_step.py --row llama-1b
+    python bench/profile_step.py --row llama-8b --ts-flags recompute=false --top 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import train_throughput as tt  # noqa: E402
+
+KINDS = (  # the first that matches a lower-cased kernel name
+    ("matrix products", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
+    ("attention", ("flash", "cudnn", "fmha", "attn", "sdpa")),
+    ("triton (Inductor, Liger)", ("triton", "liger")),
+    ("copies, fills", ("memcpy", "memset", "copy_kernel", "fill")),
+)
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", required=True, choices=sorted(tt.ROWS))
+    ap.add_argument("--ts-flags", default="", help="TrainConfig fields, as train_throughput's --ts-flags")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--skip", type=int, default=9, help="steps before the profile starts")
+    ap.add_argument("--profile", type=int, default=3, help="steps profiled")
+    ap.add_argument("--top", type=int, default=25, help="kernels listed")
+    ap.add_argument("--workdir", default="/tmp/tt-bench")
+    a = ap.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "profile_step: needs a CUDA device (the CPU's step is profiled in docs/PERFORMANCE.md "
+            "with torch.profiler directly)"
+        )
+    import tunesmith.train as train_module
+
+    row = tt.ROWS[a.row]
+    Path(a.workdir).mkdir(parents=True, exist_ok=True)
+    folder = tt.prepare(row, "cuda", Path(a.workdir))
+    steps = a.skip + a.profile + 1
+    data = tt.examples(row, steps, folder)
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    )
+    train = train_module.train
+
+    def profiled_train(cfg, data=None, progress=False, callback=None):
+        done = [0]
+
+        def step_ended(record):  # called after each step's synchronize
+            done[0] += 1
+            if done[0] == a.skip:
+                prof.start()
+            elif done[0] == a.skip + a.profile:
+                torch.cuda.synchronize()
+                prof.stop()
+            callback(record)
+
+        return train(cfg, data=data, progress=progress, callback=step_ended)
+
+    train_module.train = profiled_train  # run_tunesmith imports it from the module when called
+    args = argparse.Namespace(
+        ts_flags=a.ts_flags,
+        worker="tunesmith",
+        workdir=a.workdir,
+        device="cuda",
+        steps=steps,
+        dropout=a.dropout,
+    )
+    times, _, _, _ = tt.run_tunesmith(args, row, folder, data)
+    profiled = times[a.skip : a.skip + a.profile]
+
+    by_kind: collections.Counter = collections.Counter()
+    by_name: collections.Counter = collections.Counter()
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+            by_kind[kind(event.key)] += event.self_device_time_total / 1e3 / a.profile  # ms a step
+            by_name[event.key] += event.self_device_time_total / 1e3 / a.profile
+    total = sum(by_kind.values())
+    print(
+        f"{a.row} ({a.ts_flags or 'defaults'}): step {1e3 * sum(profiled) / len(profiled):.1f} ms on the "
+        f"clock, GPU busy {total:.1f} ms a step (mean of {a.profile} steps)"
+    )
+    for name, ms in by_kind.most_common():
+        print(f"  {name:26s} {ms:8.2f} ms  {100 * ms / total:5.1f}%")
+    print(f"the {a.top} longest kernels, ms a step:")
+    for name, ms in by_name.most_common(a.top):
+        print(f"  {ms:8.2f}  {kind(name)[:10]:10s}  {name[:120]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
