@@ -97,6 +97,19 @@ SUITES = {
              gradient_checkpointing=True),
         Case("8b-s2048-auto-bf16", L8B, 2048, "auto", precision="bf16"),
     ],
+    # Compiled layers (--compile auto: on CUDA) at the throughput bench's rows, each at two micro-batches: the
+    # difference is what a micro-batch's activations take, layer by layer, as the compiler keeps them.
+    "cuda-compiled": [
+        Case("smol-s1024-b8-p0-bf16", SMOL, 1024, 8, lora_dropout=0.0, precision="bf16"),
+        Case("smol-s1024-b16-p0-bf16", SMOL, 1024, 16, lora_dropout=0.0, precision="bf16"),
+        Case("1b-s2048-b4-r16-all-p0-bf16", L1B, 2048, 4, 16, ("all-linear",), 0.0, "bf16"),
+        Case("1b-s2048-b8-r16-all-p0-bf16", L1B, 2048, 8, 16, ("all-linear",), 0.0, "bf16"),
+        Case("1b-s2048-b8-r16-all-p0-bf16-norecompute", L1B, 2048, 8, 16, ("all-linear",), 0.0, "bf16",
+             recompute=False),
+        Case("1b-s2048-b8-r16-all-bf16", L1B, 2048, 8, 16, ("all-linear",), precision="bf16"),
+        Case("8b-s2048-b2-r16-all-p0-bf16", L8B, 2048, 2, 16, ("all-linear",), 0.0, "bf16"),
+        Case("8b-s2048-b4-r16-all-p0-bf16", L8B, 2048, 4, 16, ("all-linear",), 0.0, "bf16"),
+    ],
 }
 
 
@@ -283,7 +296,7 @@ def main() -> int:
     if args.oom_demo:
         print(json.dumps(oom_demo(args.oom_demo), indent=1))
         return 0
-    device = "cuda" if args.suite == "cuda" else "cpu"  # the cpu and modes suites run on the CPU
+    device = "cuda" if args.suite.startswith("cuda") else "cpu"  # the cpu and modes suites run on the CPU
     if args.prepare:
         from tunesmith.models import resolve_model
 
