@@ -2,6 +2,7 @@
 
     python bench/bench_memory.py --suite cpu  [--json out.json] [--markdown out.md] [--demo]
     python bench/bench_memory.py --suite cuda [--json out.json] [--markdown out.md]
+    python bench/bench_memory.py --suite cuda-compiled    # the CUDA defaults (compiled layers), two micro-batches a row
 
 Each configuration runs in its own process: build the model (the real SmolLM2-135M, or random weights with the
 exact config of a known model), run `tunesmith.train.train` for a few steps (it writes the planner's prediction
