@@ -261,7 +261,7 @@ def test_adamw8bit_state_equals_torchao():
     assert M.optimizer_state_bytes([2**20], "adamw8bit") == pytest.approx(2**20 * (2 + 8 / 256), abs=2048)
 
 
-@pytest.mark.parametrize("scheme", ["nf4", "int4", "int8"])
+@pytest.mark.parametrize("scheme", ["nf4", "int4", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantized_weight_bytes_equal_tunesmith_qlora(scheme, dtype):
     """A quantized linear's bytes as the plan counts them equal what tunesmith.qlora holds (nf4: torchao's tensor)."""
@@ -380,7 +380,8 @@ def test_fit_verb_lists_the_modes_that_fit(capsys):
     s = M.TrainSetup(seq_len=2048, batch_size=4, precision="bf16", device_type="cpu", fused_loss=True,
                      recompute=True)  # train's default
     expected = M.mode_table(shape, s, int(16 * GIB * M.HEADROOM))
-    assert list(M.MODES) == ["lora", "dora", "qlora nf4", "qlora int4", "qlora int8", "full (adamw)", "full (adamw8bit)"]
+    assert list(M.MODES) == ["lora", "dora", "qlora nf4", "qlora int4", "qlora int8", "qlora fp8", "full (adamw)",
+                             "full (adamw8bit)"]
     for mode in M.MODES:
         cells = [[str(r.best_batch) if r.best_batch else "does not fit", f"{r.peak_bytes / GIB:.2f}"]
                  for r in expected if r.mode == mode]  # without, then with checkpointing
@@ -388,6 +389,7 @@ def test_fit_verb_lists_the_modes_that_fit(capsys):
     # What the table says for a 16 GiB machine: only a quantized base with checkpointing fits.
     assert rows["lora"][0] == rows["lora"][2] == "does not fit"
     assert rows["qlora nf4"][2] == rows["qlora int4"][2] == "8" and rows["qlora int8"][2] == "4"
+    assert rows["qlora fp8"][2] == "does not fit"  # fp8 is for speed: its two copies weigh what bf16 does
     assert rows["full (adamw8bit)"][2] == "does not fit"
 
 

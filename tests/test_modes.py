@@ -1,4 +1,4 @@
-"""The training modes beyond LoRA: QLoRA (nf4 / int4 / int8 base), DoRA, full fine-tuning, --num-layers, 8-bit AdamW.
+"""The training modes beyond LoRA: QLoRA (nf4 / int4 / int8 / fp8 base), DoRA, full fine-tuning, --num-layers, 8-bit AdamW.
 
 Invariants on a tiny Llama: a fresh adapter leaves the (quantized) model unchanged; merged == adapter (on the
 dequantized base for QLoRA); every mode resumes exactly; the artifacts load where the other verbs look for them.
@@ -18,7 +18,7 @@ from tunesmith.errors import TunesmithError
 
 pytest.importorskip("torchao")
 
-SCHEMES = ["nf4", "int4", "int8"]
+SCHEMES = ["nf4", "int4", "int8", "fp8"]
 
 
 def _ids(tokenizer):
@@ -40,12 +40,14 @@ def test_a_quantized_base_stays_close_to_the_model_and_holds_its_bits(tokenizer,
     quantize_base(model, scheme)
     quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert set(quant) == set(linears) - {"lm_head"}  # every decoder linear, not the output head
-    bits = {"nf4": 4.6, "int4": 4.6, "int8": 8.3}[scheme]  # codes plus their scales, per weight
+    bits = {"nf4": 4.6, "int4": 4.6, "int8": 8.3, "fp8": 17.6}[scheme]  # codes plus their scales, per weight
+    # (fp8 keeps two copies, per output row for the forward product and per input column for the backward, and an
+    # fp32 scale per row of each: 17.5 bits on the tiny model's 64 x 32 layers)
     for name, m in quant.items():
         assert m.quantized_bytes() * 8 / linears[name] < bits
         assert not any(p.requires_grad for p in m.parameters())
     rel = ((_logits(model, ids) - ref).abs().mean() / ref.abs().mean()).item()
-    assert 0 < rel < {"nf4": 0.2, "int4": 0.2, "int8": 0.02}[scheme]
+    assert 0 < rel < {"nf4": 0.2, "int4": 0.2, "int8": 0.02, "fp8": 0.05}[scheme]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -74,6 +76,57 @@ def test_the_backward_pass_gives_the_gradient_of_the_dequantized_product(tokeniz
         x2 = x.detach().clone().requires_grad_()
         torch.nn.functional.linear(x2, layer.dequantize()).pow(2).sum().backward()
         torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_products_are_the_products_of_the_fp8_rows(monkeypatch):
+    """The fp8 path (torch._scaled_mm; it runs on the CPU too, where tunesmith itself dequantizes instead): the
+    output is x's fp8 rows times W's, the input's gradient the gradient's fp8 rows times the transposed copy's, each
+    with its scales; a layer takes that path only where fp8 products are fast, and under bf16."""
+    from tunesmith import qlora
+    from tunesmith.qlora import FP8, QuantLinear, fp8_rows
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    layer = QuantLinear.from_weight(w, "fp8")
+    assert not layer.fast  # the CPU: dequantized products
+    codes, scale = fp8_rows(w)
+    assert codes.dtype == FP8 and torch.equal(layer.w_codes, codes.view(torch.uint8))
+    assert scale.shape == (96, 1) and (codes.float().abs().amax(dim=1) == 448).all()  # every row's absmax at the top
+    assert torch.equal(layer.dequantize(torch.float32), codes.float() * scale)
+    assert (layer.dequantize(torch.float32) - w).abs().max() <= w.abs().max() / 16  # 3 mantissa bits
+
+    x = torch.randn(2, 5, 128, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 5, 96, dtype=torch.bfloat16)
+    layer.fast = True
+    calls = []
+    real = qlora._Fp8Linear.apply
+    monkeypatch.setattr(qlora._Fp8Linear, "apply", lambda *a: calls.append(1) or real(*a))
+    y = layer(x)
+    y.backward(grad)
+    assert calls and y.dtype == torch.bfloat16 and y.shape == (2, 5, 96)
+    xq, xs = fp8_rows(x.detach().reshape(10, 128))
+    ref = (xq.float() * xs) @ (codes.float() * scale).t()
+    torch.testing.assert_close(y.float().reshape(10, 96), ref, rtol=1e-2, atol=1e-2)  # bf16 out
+    gq, gs = fp8_rows(grad.reshape(10, 96))
+    ref_gx = (gq.float() * gs) @ (layer.fp8_weight_t().float() * layer.wt_scale).t()
+    torch.testing.assert_close(x.grad.float().reshape(10, 128), ref_gx, rtol=1e-2, atol=1e-2)
+    calls.clear()
+    layer(x.detach().float())  # fp32 compute: the dequantized product
+    assert not calls
+
+
+def test_fp8_is_chosen_by_the_device_and_survives_a_dtype_cast(monkeypatch):
+    from tunesmith.qlora import QuantLinear, fp8_products
+
+    assert not fp8_products(torch.device("cpu"))
+    for capability, fast in (((8, 9), True), ((9, 0), True), ((8, 0), False), ((7, 5), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8_products(torch.device("cuda", 0)) is fast
+    layer = QuantLinear.from_weight(torch.randn(32, 64), "fp8")
+    codes, before = layer.w_codes.clone(), layer.dequantize(torch.float32)
+    layer.to(torch.bfloat16)  # what a model's dtype cast does to its buffers: the codes are bytes, kept as they are
+    assert torch.equal(layer.w_codes, codes) and layer.w_codes.dtype == torch.uint8
+    torch.testing.assert_close(layer.dequantize(torch.float32), before, rtol=2**-8, atol=0)  # scales now in bf16
 
 
 def test_streaming_load_equals_quantizing_the_loaded_model(tiny_dir, tokenizer):
@@ -152,6 +205,7 @@ MODES = {
     "qlora-nf4": dict(quantize_base="nf4"),
     "qlora-int4-dora": dict(quantize_base="int4", fine_tune_type="dora"),
     "qlora-int8": dict(quantize_base="int8"),
+    "qlora-fp8": dict(quantize_base="fp8"),
     "full": dict(fine_tune_type="full", lr=1e-3),
     "full-last-layer": dict(fine_tune_type="full", num_layers=1, lr=1e-3),
     "full-adamw8bit": dict(fine_tune_type="full", optimizer="adamw8bit", lr=1e-3),

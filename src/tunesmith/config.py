@@ -222,7 +222,9 @@ class TrainConfig(DataConfig, ModelConfig):
         "themselves train; the result is a whole model in <output>/model)", choices=["lora", "dora", "full"])
     quantize_base: str = opt(
         "none", "QLoRA: hold the frozen base's linear layers in nf4 (torchao's NormalFloat4), int4 (group-wise) or "
-        "int8, for lora and dora; needs pip install 'tunesmith[qlora]'", choices=["none", "nf4", "int4", "int8"])
+        "int8, for lora and dora; needs pip install 'tunesmith[qlora]'. fp8 (float8 e4m3, per row): on a CUDA GPU "
+        "with fp8 tensor cores (compute capability 8.9+) in bf16 the products run in fp8, faster, at bf16's weight "
+        "memory; needs no extra", choices=["none", "nf4", "int4", "int8", "fp8"])
     num_layers: int = opt(0, "adapt (with full: train) only the last N decoder layers (0 or -1: all of them)",
                           bounds=Bounds(-1))
     optimizer: str = opt("adamw", "adamw, or adamw8bit (torchao's AdamW with 8-bit moments: a quarter of its "

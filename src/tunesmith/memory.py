@@ -29,7 +29,7 @@ AUTO_MAX_BATCH = 64  # --batch-size auto never goes beyond this
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2 + 8 / 256, "sgd": 0}
 ADAMW8BIT_BLOCK, ADAMW8BIT_MIN_NUMEL, ADAMW8BIT_QMAP = 256, 4096, 256
 FINE_TUNE_TYPES = ("lora", "dora", "full")
-QUANT_SCHEMES = ("nf4", "int4", "int8")  # --quantize-base: tunesmith.qlora's layouts
+QUANT_SCHEMES = ("nf4", "int4", "int8", "fp8")  # --quantize-base: tunesmith.qlora's layouts
 NF4_BLOCK, NF4_SCALER_BLOCK, INT4_GROUP = 64, 256, 64
 # A quantized linear is dequantized to the compute dtype for each product, one layer at a time, in the forward
 # and again in the backward pass: this many copies of the largest one are counted as alive at the peak. A first
@@ -172,7 +172,7 @@ class TrainSetup:
     fused_loss: bool = False  # True: cross-entropy in row chunks (tunesmith.fused), no [B x S x vocab] logits
     device_type: str = "cuda"  # cuda's dropout keeps a 1-byte mask; the CPU and MPS keep fp32 noise
     fine_tune_type: str = "lora"  # lora | dora | full (the weights themselves, held in fp32 under autocast)
-    quantize_base: str = "none"  # none | nf4 | int4 | int8: the frozen base's decoder linears (lora, dora)
+    quantize_base: str = "none"  # none | nf4 | int4 | int8 | fp8: the frozen base's decoder linears (lora, dora)
     num_layers: int = 0  # adapt (full: train) only the last N decoder layers; 0, -1 or >= the layers: all
     world: int = 1  # processes (GPUs) training together; the plan is per process
     strategy: str = "ddp"  # ddp (every GPU the whole model) | fsdp (FSDP2: weights, gradients, moments sharded)
@@ -262,13 +262,15 @@ def quantized_bytes(numel: int, out_features: int, scheme: str, weight_bytes: in
         return numel // 2 + numel // INT4_GROUP * 2
     if scheme == "int8":  # symmetric per output row: int8 codes and an fp16 scale per row
         return numel + out_features * 2
+    if scheme == "fp8":  # e4m3 codes per output row and, transposed, per input column: an fp32 scale for each
+        return 2 * numel + 4 * (out_features + numel // out_features)
     raise TunesmithError(f"--quantize-base must be one of none, {', '.join(QUANT_SCHEMES)}, got {scheme!r}")
 
 
 def quantized_linears(shape: ModelShape, scheme: str) -> dict[str, tuple[int, int]]:
     """The linears a quantized base holds quantized: every one but the output head, in whole blocks / groups."""
     whole = {"nf4": lambda i, o: i * o % NF4_BLOCK == 0, "int4": lambda i, o: i % INT4_GROUP == 0,
-             "int8": lambda i, o: True}[scheme]
+             "int8": lambda i, o: True, "fp8": lambda i, o: i % 16 == 0 and o % 16 == 0}[scheme]
     return {n: (i, o) for n, (i, o) in shape.linears.items() if n != shape.head_name and whole(i, o)}
 
 

@@ -283,7 +283,7 @@ def load_model(
     """Load (model, tokenizer). The weights go straight to `device` in `dtype`; attention uses fused SDPA.
 
     Weights are read from safetensors only, unless `allow_pickle` lets a folder without them load its .bin files
-    (transformers reads those with torch.load(weights_only=True)). `quantize_base` nf4|int4|int8 holds the
+    (transformers reads those with torch.load(weights_only=True)). `quantize_base` nf4|int4|int8|fp8 holds the
     linear layers quantized (QLoRA's frozen base), quantized tensor by tensor as they are read where it can."""
     from transformers import AutoModelForCausalLM
 
