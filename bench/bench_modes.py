@@ -1,6 +1,7 @@
 """The training modes side by side: LoRA, QLoRA (nf4 / int4 / int8 base), DoRA and full fine-tuning.
 
     python bench/bench_modes.py quality [--device cpu] [--steps 60] [--modes lora,qlora-nf4,dora,full] [--loftq]
+    python bench/bench_modes.py quality --precision bf16 --modes lora,qlora-fp8 --fp8-products
                                         [--loftq-iters 5]
                                         [--nf4-block 32] [--targets all-linear] [--lr 4e-3]
     python bench/bench_modes.py memory --device cuda --shape meta-llama/Llama-3.1-8B [--modes qlora-nf4,lora]
@@ -34,6 +35,7 @@ MODES = {  # name -> TrainConfig changes
     "qlora-nf4": {"quantize_base": "nf4"},
     "qlora-int4": {"quantize_base": "int4"},
     "qlora-int8": {"quantize_base": "int8"},
+    "qlora-fp8": {"quantize_base": "fp8"},
     "dora": {"fine_tune_type": "dora"},
     "full": {"fine_tune_type": "full"},
     "full-8bit": {"fine_tune_type": "full", "optimizer": "adamw8bit"},
@@ -55,6 +57,8 @@ def quality(args) -> None:
 
     demo = DemoConfig()
     device = resolve_device(args.device)
+    if args.fp8_products:  # the fp8 products a capable GPU runs, here on this device (torch._scaled_mm runs on the CPU)
+        tunesmith.qlora.fp8_products = lambda _device: True
     rows = []
     for mode in args.modes.split(","):
         changes = dict(MODES[mode])
@@ -76,7 +80,7 @@ def quality(args) -> None:
         before = evaluate(model, data.valid, demo.batch_size, demo.eval_batches, tok.pad_token_id).perplexity
         cfg = TrainConfig(**{f.name: getattr(demo, f.name) for f in fields_of(TrainConfig)})
         cfg = dataclasses.replace(cfg, output=f"{args.out}/{mode}", max_steps=args.steps, time_budget=0.0,
-                                  min_steps=0, eval_every=0, device=str(device), precision="fp32",
+                                  min_steps=0, eval_every=0, device=str(device), precision=args.precision,
                                   checkpoint_every=0, lr=lr, **changes)
         t = time.perf_counter()
         tunesmith.train.attach_lora = (_loftq_attach(originals, args.loftq_iters) if originals
@@ -254,6 +258,9 @@ def main() -> None:
     ap.add_argument("--loftq-iters", type=int, default=1,
                     help="quality: LoftQ's alternations (1: the base stays quant(W); more: an experiment)")
     ap.add_argument("--nf4-block", type=int, default=0, help="quality: nf4 block size (default: torchao's 64)")
+    ap.add_argument("--precision", default="fp32", help="quality: the training precision (the demo's: fp32)")
+    ap.add_argument("--fp8-products", action="store_true",
+                    help="quality: qlora-fp8 takes the fp8 products (torch._scaled_mm) on this device too (bf16)")
     ap.add_argument("--shape", default="meta-llama/Llama-3.1-8B")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
