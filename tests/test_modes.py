@@ -129,6 +129,18 @@ def test_fp8_is_chosen_by_the_device_and_survives_a_dtype_cast(monkeypatch):
     torch.testing.assert_close(layer.dequantize(torch.float32), before, rtol=2**-8, atol=0)  # scales now in bf16
 
 
+def test_fp8_on_mps_is_refused_with_the_schemes_that_run_there(tiny_dir):
+    from tunesmith.models import load_model
+    from tunesmith.qlora import check_scheme
+
+    check_scheme("fp8", torch.device("cpu"))
+    check_scheme("nf4", torch.device("mps"))
+    with pytest.raises(TunesmithError, match="MPS has no float8 type.*nf4, int4 or int8"):
+        check_scheme("fp8", torch.device("mps"))
+    with pytest.raises(TunesmithError, match="MPS has no float8 type"):  # before anything is read
+        load_model(str(tiny_dir), "mps", quantize_base="fp8")
+
+
 def test_streaming_load_equals_quantizing_the_loaded_model(tiny_dir, tokenizer):
     from tunesmith.models import load_model
     from tunesmith.qlora import QuantLinear, load_quantized_base, quantize_base

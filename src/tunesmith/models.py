@@ -298,7 +298,7 @@ def load_model(
         from tunesmith.qlora import check_scheme, load_quantized_base
         from tunesmith.qlora import quantize_base as quantize_in_place
 
-        check_scheme(quantize_base)
+        check_scheme(quantize_base, device)
         if isinstance(source, str):  # a hub id: its files first, then the same streaming load as a folder
             from huggingface_hub import snapshot_download
 

@@ -216,9 +216,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def check_scheme(scheme: str) -> None:
+def check_scheme(scheme: str, device: torch.device | None = None) -> None:
     if scheme not in SCHEMES:
         raise TunesmithError(f"--quantize-base must be one of none, {', '.join(SCHEMES)}, got {scheme!r}")
+    if scheme == "fp8" and device is not None and torch.device(device).type == "mps":
+        raise TunesmithError("--quantize-base fp8: MPS has no float8 type (fp8 is for CUDA GPUs with fp8 tensor "
+                             "cores); on a Mac use --quantize-base nf4, int4 or int8")
     if scheme != "fp8":  # nf4, int4 and int8 quantize through torchao: a missing extra fails before any loading
         _torchao_nf4()
 
@@ -233,7 +236,7 @@ def quant_targets(model: torch.nn.Module, scheme: str) -> list[str]:
 
 def quantize_base(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
     """Replace the model's linears (not its output head) by QuantLinears in place, one at a time; returns it."""
-    check_scheme(scheme)
+    check_scheme(scheme, next((p.device for p in model.parameters()), None))
     for name in quant_targets(model, scheme):
         linear = model.get_submodule(name)
         _set(model, name, QuantLinear.from_weight(linear.weight, scheme, linear.bias))
@@ -277,7 +280,7 @@ def load_quantized_base(folder: Path, device: torch.device, dtype: torch.dtype, 
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    check_scheme(scheme)
+    check_scheme(scheme, device)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
