@@ -28,12 +28,15 @@ KEY = "sk-test-key"
 
 
 def make_adapter(folder, tiny_dir, seed: int):
-    """A LoRA adapter on the tiny model whose B is not zero, so it changes the answers."""
+    """A LoRA adapter on the tiny model whose B is not zero, so it changes the answers. Its A is drawn from the seed
+    too, not from the global generator, whose state depends on which tests ran before (the answers must not)."""
     from tunesmith.lora import attach_lora, save_adapter
     from tunesmith.models import load_model
 
     model, _ = load_model(str(tiny_dir), "cpu")
-    peft_model = attach_lora(model, rank=4, targets=["q_proj", "v_proj"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = attach_lora(model, rank=4, targets=["q_proj", "v_proj"])
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
