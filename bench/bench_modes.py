@@ -1,6 +1,7 @@
 """The training modes side by side: LoRA, QLoRA (nf4 / int4 / int8 base), DoRA and full fine-tuning.
 
     python bench/bench_modes.py quality [--device cpu] [--steps 60] [--modes lora,qlora-nf4,dora,full] [--loftq]
+    python bench/bench_modes.py quality --modes lora,qlora-nf4 --base-calibration 64
     python bench/bench_modes.py quality --precision bf16 --modes lora,qlora-fp8 --fp8-products
                                         [--loftq-iters 5]
                                         [--nf4-block 32] [--targets all-linear] [--lr 4e-3]
@@ -68,7 +69,17 @@ def quality(args) -> None:
         scheme = changes.get("quantize_base", "none")
         if args.nf4_block:
             tunesmith.qlora.NF4_BLOCK = args.nf4_block
-        if args.loftq and scheme != "none":  # the full-precision weights are needed once more, after quantizing
+        if args.base_calibration and scheme != "none":  # GPTQ-chosen codes (--base-calibration), before "before"
+            model, tok = load_model(demo.model, device)
+            data = load_data(demo.data, tok, demo.seq_len, demo.val_fraction)
+            t = time.perf_counter()
+            tunesmith.qlora.calibrate_base(model, scheme, [list(ids) for ids, _ in data.train[: args.base_calibration]],
+                                           progress=False)
+            print(f"calibrated the {scheme} base on {args.base_calibration} blocks in {time.perf_counter() - t:.0f} s",
+                  flush=True)
+            changes["base_calibration"] = args.base_calibration
+            originals = None
+        elif args.loftq and scheme != "none":  # the full-precision weights are needed once more, after quantizing
             model, tok = load_model(demo.model, device)
             originals = {n: m.weight.detach().clone() for n, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()}
@@ -88,9 +99,10 @@ def quality(args) -> None:
         # quantize_base on an injected model quantizes in place: already done by load_model here, so a no-op
         r = train(cfg, model=model, tokenizer=tok, data=data, progress=False)
         after = r.evals[-1][1].perplexity
-        row = {"mode": mode, "loftq": args.loftq_iters if originals else 0, "nf4_block": args.nf4_block or None, "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
+        row = {"mode": mode, "base_calibration": changes.get("base_calibration", 0),
+               "loftq": args.loftq_iters if originals else 0, "nf4_block": args.nf4_block or None, "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
                "drop": 1 - after / before, "trainable": r.trainable_params, "seconds": time.perf_counter() - t,
-               "tokens_per_s": r.tokens / r.seconds, "losses": r.losses}
+               "tokens_per_s": r.tokens / r.seconds, "peak_bytes": r.peak_memory_bytes, "losses": r.losses}
         rows.append(row)
         print(f"| {mode} | {','.join(cfg.lora_targets)} | {lr:g} | {r.steps} | {before:.2f} | {after:.2f} ({row['drop']:.1%}) | "
               f"{r.trainable_params:,} | {row['tokens_per_s']:.0f} |", flush=True)
@@ -258,6 +270,8 @@ def main() -> None:
     ap.add_argument("--loftq-iters", type=int, default=1,
                     help="quality: LoftQ's alternations (1: the base stays quant(W); more: an experiment)")
     ap.add_argument("--nf4-block", type=int, default=0, help="quality: nf4 block size (default: torchao's 64)")
+    ap.add_argument("--base-calibration", type=int, default=0,
+                    help="quality: a quantized base's codes chosen by GPTQ on this many training blocks (train's flag)")
     ap.add_argument("--precision", default="fp32", help="quality: the training precision (the demo's: fp32)")
     ap.add_argument("--fp8-products", action="store_true",
                     help="quality: qlora-fp8 takes the fp8 products (torch._scaled_mm) on this device too (bf16)")

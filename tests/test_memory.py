@@ -292,6 +292,21 @@ def test_qlora_weights_dequant_and_dora_norm_parts(shape):
     assert dora["dora_norm"] == max(6 * i * i + 2 * i * o, 2 * i * i + 16 * i * o)
 
 
+def test_base_calibration_peaks_at_the_full_model_before_training(shape):
+    """--base-calibration holds the full-precision model, one layer's Hessians and the blocks' layer inputs and
+    outputs before training starts: the plan's peak is the larger of that and the training step's."""
+    s = M.TrainSetup(seq_len=32, batch_size=2, precision="fp32", quantize_base="nf4", device_type="cuda")
+    plain = M.train_parts(shape, s)
+    calibrated = M.train_parts(shape, replace(s, base_calibration=64))
+    first = [i for n, (i, _) in shape.linears.items() if n.startswith("model.layers.0.")]  # 7 linears
+    want = shape.params * 4 + shape.buffer_bytes + sum(4 * i * i for i in first) + 2 * 64 * 32 * shape.hidden * 4
+    assert M.calibration_bytes(shape, replace(s, base_calibration=64)) == want
+    assert sum(calibrated.values()) == max(want, sum(plain.values()))
+    assert {k: v for k, v in calibrated.items() if k != "calibration"} == plain
+    assert M.train_parts(shape, replace(s, base_calibration=64, quantize_base="none")) == \
+        M.train_parts(shape, replace(s, quantize_base="none"))
+
+
 def test_dora_norm_transient_matches_the_live_peak():
     """PEFT's DoRA forward on one linear, its tensors' live bytes tracked op by op: the peak equals dora_norm_bytes
     within 10% (the rest: the input, outputs and the rank-sized products)."""

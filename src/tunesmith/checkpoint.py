@@ -117,8 +117,14 @@ class Checkpointer:
                 ADAPTER_CONFIG: json.dumps(adapter_config(model, self.config.get("model")), indent=2,
                                            sort_keys=True).encode(),
             }
+            calibrated = bool(self.config.get("base_calibration")) and self.config.get("quantize_base") != "none"
+            if calibrated:  # the calibrated base's codes: resume restores them, the other verbs load them
+                from tunesmith.qlora import BASE_CODES, base_codes
+
+                payload[BASE_CODES] = _safetensors_bytes(base_codes(model))
             if self.config.get("model"):  # the base model, as a finished adapter folder records it
-                payload[BASE_FILE] = base_file(self.config["model"], self.config.get("quantize_base", "none"))
+                payload[BASE_FILE] = base_file(self.config["model"], self.config.get("quantize_base", "none"),
+                                               calibrated)
         else:
             payload = {TRAINABLE: _safetensors_bytes(_trainable_tensors(model, trainable))}
         payload[OPTIMIZER] = _safetensors_bytes(tensors)

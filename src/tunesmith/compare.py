@@ -151,7 +151,7 @@ def quantized_folder(run_dir: Path, merged: Path, scheme: str, group_size: int, 
 def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None] = print) -> list[Rung]:
     """Score every rung the run folder has; `prompts` overrides cfg.prompts (the demo passes its own)."""
     from tunesmith.data import load_data
-    from tunesmith.lora import load_adapter, recorded_base, recorded_quantization
+    from tunesmith.lora import load_adapter, load_quantized_for, recorded_base, recorded_quantization
     from tunesmith.models import load_model, load_tokenizer, resolve_model
     from tunesmith.quantize import weights_bytes
 
@@ -189,7 +189,7 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     rungs.append(timed("base", score_eager, "base", model, tok, examples, prompts, cfg.max_tokens, base_bytes, str(source)))
     if scheme != "none":  # the quantized base's own rung, then the adapter on it
         del model
-        model, tok = load_model(base, "cpu", torch.float32, quantize_base=scheme)
+        model, tok = load_quantized_for(base, adapter, "cpu", torch.float32)
         rungs.append(timed(f"base {scheme}", score_eager, f"base ({scheme})", model, tok, examples, prompts,
                            cfg.max_tokens, None, str(source)))
     if has_adapter:

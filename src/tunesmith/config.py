@@ -225,6 +225,11 @@ class TrainConfig(DataConfig, ModelConfig):
         "int8, for lora and dora; needs pip install 'tunesmith[qlora]'. fp8 (float8 e4m3, per row): on a CUDA GPU "
         "with fp8 tensor cores (compute capability 8.9+) in bf16 the products run in fp8, faster, at bf16's weight "
         "memory; needs no extra", choices=["none", "nf4", "int4", "int8", "fp8"])
+    base_calibration: int = opt(
+        0, "with --quantize-base nf4, int4 or int8: choose the base's codes with GPTQ on this many blocks of the "
+        "training data instead of rounding each weight to nearest (same format, scales and memory while training; "
+        "the base moves much less from the full-precision model). Loads the model at full precision once to "
+        "calibrate, and takes minutes; the codes are saved with the adapter. 0: round to nearest", bounds=COUNT)
     num_layers: int = opt(0, "adapt (with full: train) only the last N decoder layers (0 or -1: all of them)",
                           bounds=Bounds(-1))
     optimizer: str = opt("adamw", "adamw, or adamw8bit (torchao's AdamW with 8-bit moments: a quarter of its "
@@ -303,6 +308,10 @@ class TrainConfig(DataConfig, ModelConfig):
             raise TunesmithError("--quantize-base is for lora and dora (a frozen base under adapters); full "
                                  "fine-tuning trains the weights themselves: drop --quantize-base, or use "
                                  "--fine-tune-type lora")
+        if self.base_calibration and self.quantize_base in ("none", "fp8"):
+            raise TunesmithError(f"--base-calibration chooses the codes of a base held in nf4, int4 or int8, but "
+                                 f"--quantize-base is {self.quantize_base}: add --quantize-base nf4 (or int4, int8), "
+                                 "or drop --base-calibration")
 
 
 @dataclass
@@ -454,6 +463,7 @@ class FitConfig(ModelConfig):
     gradient_checkpointing: bool = same_as(TrainConfig, "gradient_checkpointing")
     fine_tune_type: str = same_as(TrainConfig, "fine_tune_type")
     quantize_base: str = same_as(TrainConfig, "quantize_base")
+    base_calibration: int = same_as(TrainConfig, "base_calibration")
     num_layers: int = same_as(TrainConfig, "num_layers")
     optimizer: str = same_as(TrainConfig, "optimizer")
     fused_loss: bool = same_as(TrainConfig, "fused_loss")

@@ -132,31 +132,65 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, grid: Gri
 
 
 def _gptq(weight, hessian, group_size: int, grid: Grid, damp: float, block: int):
+    scales, offsets = _params(weight.float(), group_size, grid)
+    col_scale = scales.repeat_interleave(group_size, dim=1)
+    col_offset = offsets.repeat_interleave(group_size, dim=1)
+    q = _column_loop(weight, hessian, damp, block,
+                     lambda w, cols: fake_quant(w, col_scale[:, cols], col_offset[:, cols], grid))
+    return q, scales, offsets
+
+
+def gptq_levels(weight: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor,
+                damp: float = 0.01, block: int = 128) -> torch.Tensor:
+    """GPTQ onto a fixed table of levels: each weight becomes levels[code] * its group's scale, with the scales
+    [out, in / group] given (a quantized format's own, as round to nearest chose them) and the codes chosen
+    column by column against the Hessian. Returns the codes [out, in] (int64 indices into `levels`), for a format
+    such as NF4 whose levels are not evenly spaced (the grids above are)."""
+    group = weight.shape[1] // scales.shape[1]
+    col_scale = scales.float().to(weight.device).repeat_interleave(group, dim=1)
+    table = levels.float().to(weight.device)
+    codes = torch.zeros(weight.shape, dtype=torch.long, device=weight.device)
+
+    def nearest(w: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        s = col_scale[:, cols]
+        c = (w / s).unsqueeze(-1).sub(table).abs().argmin(dim=-1)
+        codes[:, cols] = c
+        return table[c] * s
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as gptq(): the column loop is thousands of small ops
+    try:
+        _column_loop(weight, hessian, damp, block, nearest)
+    finally:
+        torch.set_num_threads(threads)
+    return codes
+
+
+def _column_loop(weight, hessian, damp: float, block: int, rounder) -> torch.Tensor:
+    """GPTQ's loop: columns in act-order, each rounded by `rounder(values [out], column index)` and its error
+    spread over the columns after it. Returns the rounded weights [out, in] in the original column order."""
     w = weight.float().clone()
     n = w.shape[1]
-    scales, offsets = _params(w, group_size, grid)
     h = hessian.float().clone()
     dead = torch.diag(h) == 0  # inputs that never fire: any value is as good, keep the weights out of the way
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(n)
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(n, device=h.device)
     perm = torch.argsort(torch.diag(h), descending=True)
     w, h = w[:, perm], h[perm][:, perm]
-    col_scale = scales.repeat_interleave(group_size, dim=1)[:, perm]
-    col_offset = offsets.repeat_interleave(group_size, dim=1)[:, perm]
     # Upper Cholesky factor of H^-1: row i holds how column i's error should move the columns after it.
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros_like(w)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
-        w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros(w.shape[0], i2 - i1), hinv[i1:i2, i1:i2]
+        w1, err1, hinv1 = w[:, i1:i2].clone(), w.new_zeros(w.shape[0], i2 - i1), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            q[:, i1 + i] = fake_quant(w1[:, i], col_scale[:, i1 + i], col_offset[:, i1 + i], grid)
+            q[:, i1 + i] = rounder(w1[:, i], perm[i1 + i])
             err = (w1[:, i] - q[:, i1 + i]) / hinv1[i, i]
             w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]  # the whole block's error, onto the columns after it
-    return q[:, torch.argsort(perm)], scales, offsets
+    return q[:, torch.argsort(perm)]
 
 
 class _Captured(Exception):
@@ -178,29 +212,7 @@ def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], plan: Plan,
     from tunesmith.progress import steps
 
     layers = model.model.layers
-    inputs: list[tuple[tuple, dict]] = []
-
-    def capture(_module, args, kwargs):
-        inputs.append((args, kwargs))
-        raise _Captured
-
-    hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        for ids in calibration:
-            try:
-                model(input_ids=torch.tensor([list(ids)]), use_cache=False)
-            except _Captured:
-                pass
-    finally:
-        hook.remove()
-    hidden = [args[0] if args else kwargs["hidden_states"] for args, kwargs in inputs]
-
-    def run_all(layer, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        outs = []
-        for x, (args, kwargs) in zip(xs, inputs, strict=True):
-            out = layer(x, *args[1:], **{k: v for k, v in kwargs.items() if k != "hidden_states"})
-            outs.append(out[0] if isinstance(out, tuple) else out)
-        return outs
+    hidden, run_all = layer_inputs(model, calibration)
 
     done: dict[str, tuple] = {}
     with steps(f"GPTQ on {len(calibration)} blocks, layer", len(layers), progress) as advance:
@@ -219,6 +231,38 @@ def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], plan: Plan,
     return done
 
 
+def layer_inputs(model, calibration: Sequence[Sequence[int]]):
+    """(the first decoder layer's inputs, one per calibration block; run_all(layer, inputs) -> that layer's
+    outputs): what a layer-by-layer pass over model.model.layers needs."""
+    layers = model.model.layers
+    inputs: list[tuple[tuple, dict]] = []
+    device = model.get_input_embeddings().weight.device
+
+    def capture(_module, args, kwargs):
+        inputs.append((args, kwargs))
+        raise _Captured
+
+    hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        for ids in calibration:
+            try:
+                model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        hook.remove()
+    hidden = [args[0] if args else kwargs["hidden_states"] for args, kwargs in inputs]
+
+    def run_all(layer, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        outs = []
+        for x, (args, kwargs) in zip(xs, inputs, strict=True):
+            out = layer(x, *args[1:], **{k: v for k, v in kwargs.items() if k != "hidden_states"})
+            outs.append(out[0] if isinstance(out, tuple) else out)
+        return outs
+
+    return hidden, run_all
+
+
 def rtn_decoder_layers(model, plan: Plan) -> dict[str, tuple]:
     """Round to nearest over model.model.layers, with gptq_decoder_layers' plan and return value."""
     done = {}
@@ -233,7 +277,7 @@ def rtn_decoder_layers(model, plan: Plan) -> dict[str, tuple]:
 
 def _hessians(linears: dict[str, torch.nn.Module], forward, *args) -> dict[str, torch.Tensor]:
     """2 X^T X / tokens for the inputs X each linear sees while `forward(*args)` runs."""
-    hess = {n: torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
+    hess = {n: torch.zeros(m.in_features, m.in_features, device=m.weight.device) for n, m in linears.items()}
     count = dict.fromkeys(linears, 0)
 
     def accumulate(name):

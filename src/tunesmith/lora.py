@@ -200,27 +200,37 @@ def adapter_config(model, base_spec: str | None) -> dict:
     return config
 
 
-def base_file(base_spec: str, quantize_base: str = "none") -> bytes:
-    """The bytes of tunesmith-adapter.json for an adapter trained on `base_spec` (held quantized: QLoRA)."""
+def base_file(base_spec: str, quantize_base: str = "none", calibrated: bool = False) -> bytes:
+    """The bytes of tunesmith-adapter.json for an adapter trained on `base_spec` (held quantized: QLoRA; with
+    calibrated codes, which the adapter folder holds in base-codes.safetensors)."""
     record = {"model": base_record(base_spec)[0]}
     if quantize_base != "none":
         record["quantize_base"] = quantize_base
+    if calibrated:
+        record["base_calibrated"] = True
     return (json.dumps(record, indent=2) + "\n").encode()
 
 
 def save_adapter(model, folder: str | Path, base_spec: str | None, quantize_base: str = "none",
-                 state_dict: dict | None = None) -> Path:
+                 state_dict: dict | None = None, base_codes: dict | None = None) -> Path:
     """Save the adapter as PEFT does (safetensors), recording the base model it was trained on. `state_dict`: the
-    model's trainable weights by name, whole, where the live model holds only a shard of them (FSDP2)."""
+    model's trainable weights by name, whole, where the live model holds only a shard of them (FSDP2).
+    `base_codes`: a calibrated quantized base's codes (qlora.base_codes), saved beside the adapter."""
+    from safetensors.torch import save_file
+
+    from tunesmith.qlora import BASE_CODES
+
     folder = Path(folder)
     with atomic_folder(folder) as tmp:  # all or nothing, with the modes the user's umask gives
         model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
+        if base_codes:
+            save_file(base_codes, str(tmp / BASE_CODES))
         if base_spec:
             config_path = tmp / ADAPTER_FILES[0]
             config = json.loads(config_path.read_text(encoding="utf-8"))
             config["base_model_name_or_path"] = base_record(base_spec)[1]  # PEFT wrote the loaded (cache) path
             config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            (tmp / BASE_FILE).write_bytes(base_file(base_spec, quantize_base))
+            (tmp / BASE_FILE).write_bytes(base_file(base_spec, quantize_base, bool(base_codes)))
     return folder
 
 
@@ -254,6 +264,26 @@ def recorded_quantization(adapter: str | Path | None) -> str:
     return scheme if isinstance(scheme, str) else "none"
 
 
+def load_quantized_for(spec: str, adapter: str | Path | None, device="cpu", dtype: torch.dtype = torch.float32,
+                       trust_remote_code: bool = False):
+    """(model, tokenizer): the base an adapter trained on, held as it was: quantized the same way (QLoRA), with
+    the calibrated codes the adapter folder saved (--base-calibration)."""
+    from tunesmith.models import load_model
+    from tunesmith.qlora import BASE_CODES, apply_base_codes
+
+    scheme = recorded_quantization(adapter)
+    model, tokenizer = load_model(spec, device, dtype, trust_remote_code, quantize_base=scheme)
+    codes = Path(adapter) / BASE_CODES if adapter else None
+    if codes is not None and scheme != "none":
+        calibrated = json.loads((Path(adapter) / BASE_FILE).read_text(encoding="utf-8")).get("base_calibrated")
+        if codes.is_file():
+            apply_base_codes(model, codes)
+        elif calibrated:
+            raise TunesmithError(f"adapter {adapter} was trained on a calibrated {scheme} base, whose codes "
+                                 f"({BASE_CODES}) are missing from the folder; copy them from the run's adapter")
+    return model, tokenizer
+
+
 def base_model_for(model: str | None, adapter: str | Path | None) -> str:
     """The model a verb loads: --model when given, else the one `adapter` was trained on, else the default.
 
@@ -283,10 +313,8 @@ def load_with_adapter(model: str | None, adapter: str | Path | None, device="cpu
     """(model, tokenizer, spec): the model a verb names (base_model_for: --model, else the adapter's recorded one,
     else the default) loaded on `device` in `dtype`, with `adapter` applied when one is given. An adapter trained
     on a quantized base (QLoRA) gets the base quantized the same way: that is the model it was trained with."""
-    from tunesmith.models import load_model
-
     spec = base_model_for(model, adapter)
-    loaded, tokenizer = load_model(spec, device, dtype, trust_remote_code, quantize_base=recorded_quantization(adapter))
+    loaded, tokenizer = load_quantized_for(spec, adapter, device, dtype, trust_remote_code)
     if adapter:
         loaded = load_adapter(loaded, adapter, base=spec)
     return loaded, tokenizer, spec

@@ -177,6 +177,7 @@ class TrainSetup:
     world: int = 1  # processes (GPUs) training together; the plan is per process
     strategy: str = "ddp"  # ddp (every GPU the whole model) | fsdp (FSDP2: weights, gradients, moments sharded)
     recompute: bool = False  # --recompute: norms and the gated MLP keep their inputs only (where the model allows)
+    base_calibration: int = 0  # --base-calibration: blocks GPTQ calibrates the quantized base on, before training
 
     @property
     def full(self) -> bool:
@@ -498,7 +499,22 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         parts["allocator"] = CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]
         if s.quantize_base != "none":
             parts["allocator"] += CPU_DEQUANT_SLACK_BYTES[s.gradient_checkpointing]
+    if s.base_calibration and s.quantize_base != "none":  # before training: the peak is whichever is larger
+        calibration = calibration_bytes(shape, s) + parts.get("runtime", 0) + parts.get("allocator", 0)
+        parts["calibration"] = max(0, calibration - sum(parts.values()))
     return parts
+
+
+def calibration_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """The peak of --base-calibration (tunesmith.qlora.calibrate_base): the model at full precision in the weight
+    dtype (its linears become quantized one layer at a time, but the first layer's Hessians are taken with all
+    of them present), one decoder layer's Hessians (fp32, in x in for each linear), and each calibration block's
+    inputs and outputs of the layer being calibrated."""
+    w = 4 if s.precision == "fp32" else 2
+    first = {n: io for n, io in quantized_linears(shape, s.quantize_base).items() if _layer_of(n) == 0}
+    hessians = sum(4 * i * i for i, _ in first.values())
+    blocks = 2 * s.base_calibration * s.seq_len * shape.hidden * w
+    return shape.params * w + shape.buffer_bytes + hessians + blocks
 
 
 def infer_parts(shape: ModelShape, bits: str, context: int) -> dict[str, int]:
@@ -680,6 +696,7 @@ def plan_run(
         fine_tune_type=getattr(cfg, "fine_tune_type", "lora"), quantize_base=getattr(cfg, "quantize_base", "none"),
         num_layers=int(getattr(cfg, "num_layers", 0)), world=max(1, world),
         strategy=getattr(cfg, "strategy", "ddp"), recompute=bool(getattr(cfg, "recompute", True)),
+        base_calibration=int(getattr(cfg, "base_calibration", 0)) if not getattr(cfg, "resume", False) else 0,
     )
     p = plan(shape, setup, total, available)
     if auto:

@@ -174,6 +174,36 @@ class QuantLinear(torch.nn.Linear):
         w = codes.view(self.out_features, groups, -1).to(dtype) * self.scales.to(dtype).unsqueeze(-1)
         return w.view(self.out_features, self.in_features)
 
+    def calibratable(self) -> bool:
+        """Whether GPTQ can choose this layer's codes: nf4 / int4 / int8 with every scale's block inside a row."""
+        if self.scheme == "nf4":
+            return self.in_features % self.qweight.block_size == 0
+        return self.scheme in ("int4", "int8")
+
+    def levels_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the format's levels [L], the scales [out, in / group] float32): weight = levels[code] * its scale."""
+        if self.scheme == "nf4":
+            q = self.qweight
+            scales = q.dequantize_scalers(q.quantized_scalers, q.quantization_factor, q.scaler_block_size)
+            return q.nf4.float(), scales.float().view(self.out_features, -1)
+        lo = -8 if self.scheme == "int4" else -127
+        levels = torch.arange(lo, -lo + (0 if self.scheme == "int4" else 1), device=self.scales.device)
+        return levels.float(), self.scales.float()
+
+    def set_codes(self, codes: torch.Tensor) -> None:
+        """Store codes [out, in] (indices into levels_and_scales' levels) in place of the ones it holds."""
+        codes = codes.to(self.code_tensor().device)
+        if self.scheme == "nf4":
+            flat = codes.flatten().to(torch.uint8)
+            self.qweight.quantized_data.copy_(flat[::2] << 4 | flat[1::2])
+            return
+        values = (codes + (-8 if self.scheme == "int4" else -127)).to(torch.int8)
+        self.codes.copy_(pack_int4(values) if self.scheme == "int4" else values)
+
+    def code_tensor(self) -> torch.Tensor:
+        """The tensor its codes are stored in (what calibration changes; the scales follow from the weights)."""
+        return self.qweight.quantized_data if self.scheme == "nf4" else self.codes
+
     def fp8_weight(self) -> torch.Tensor:
         return self.w_codes.view(FP8)
 
@@ -254,6 +284,88 @@ def dequantize_base(model: torch.nn.Module, dtype: torch.dtype = torch.float32) 
                 plain.bias = torch.nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
             _set(model, name, plain)
     return model
+
+
+BASE_CODES = "base-codes.safetensors"  # a calibrated base's codes, beside the adapter trained on it
+
+
+@torch.no_grad()
+def calibrate_base(model: torch.nn.Module, scheme: str, calibration, progress: bool = True) -> int:
+    """Quantize a full-precision model's decoder linears to `scheme` with GPTQ-chosen codes, in place.
+
+    Each linear keeps the scales round to nearest gives it (so it loads and dequantizes exactly like any other
+    QuantLinear); only which level each weight takes is chosen, column by column, so that the layer's outputs on
+    the calibration blocks (lists of token ids; the training data's) move least. Decoder layers go in order, each
+    calibrated on the outputs of the layers already quantized, its full-precision linears replaced as it is done.
+    Linears outside the decoder layers (none in Llama-family models) are quantized to nearest. Returns how many
+    linears were calibrated."""
+    from tunesmith.gptq import _hessians, gptq_levels, layer_inputs
+    from tunesmith.progress import steps
+
+    check_scheme(scheme, next((p.device for p in model.parameters()), None))
+    if scheme == "fp8":
+        raise TunesmithError("--base-calibration chooses nf4, int4 or int8 codes; fp8 keeps each weight's nearest "
+                             "float8 value: drop --base-calibration")
+    if quantized_scheme(model):
+        raise TunesmithError("calibrate_base chooses codes from the full-precision weights, but this model is "
+                             "already quantized: load it without quantize_base")
+    if not calibration:
+        raise TunesmithError("--base-calibration: no training blocks to calibrate on")
+    targets = set(quant_targets(model, scheme))
+    layers = model.model.layers
+    hidden, run_all = layer_inputs(model, calibration)
+    done = 0
+    with steps(f"calibrating the {scheme} base on {len(calibration)} blocks, layer", len(layers), progress) as advance:
+        for li, layer in enumerate(layers):
+            linears = {n: m for n, m in layer.named_modules()
+                       if isinstance(m, torch.nn.Linear) and f"model.layers.{li}.{n}" in targets}
+            hessians = _hessians(linears, run_all, layer, hidden)
+            for name, linear in linears.items():
+                q = QuantLinear.from_weight(linear.weight, scheme, linear.bias)
+                if q.calibratable():
+                    levels, scales = q.levels_and_scales()
+                    q.set_codes(gptq_levels(linear.weight, hessians[name], scales, levels))
+                    done += 1
+                _set(layer, name, q)
+                del linear
+            hidden = run_all(layer, hidden)  # through the quantized layer: the next layer's inputs
+            advance()
+    quantize_base(model, scheme)  # whatever is left outside the decoder layers, to nearest
+    return done
+
+
+def base_codes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{module name: its stored codes} for every QuantLinear: what makes a calibrated base what it is."""
+    return {_plain_name(name): m.code_tensor().detach().cpu().contiguous()
+            for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def _plain_name(name: str) -> str:
+    """A QuantLinear's name in the bare model, whether or not PEFT wraps it (base_model.model. ... .base_layer)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def apply_base_codes(model: torch.nn.Module, path: Path) -> int:
+    """Load codes saved by `base_codes` (a safetensors file) into a base quantized to nearest the same way."""
+    from safetensors.torch import load_file
+
+    try:
+        saved = load_file(str(path))
+    except Exception as e:  # a damaged or truncated file
+        raise TunesmithError(f"{path} is unreadable ({e}); it holds the calibrated base's codes the adapter was "
+                             "trained on: copy it again from the run") from None
+    layers = {_plain_name(name): m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if missing := sorted(layers.keys() - saved.keys()):
+        raise TunesmithError(f"{path} does not fit this model: it has no codes for {missing[0]}"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                             + "; it was saved for another base model or quantization scheme")
+    for name, codes in saved.items():
+        m = layers.get(name)
+        if m is None or m.code_tensor().shape != codes.shape or m.code_tensor().dtype != codes.dtype:
+            raise TunesmithError(f"{path} does not fit this model ({name}): it was saved for another base model or "
+                                 "quantization scheme")
+        m.code_tensor().copy_(codes)
+    return len(saved)
 
 
 def quantized_scheme(model: torch.nn.Module) -> str | None:

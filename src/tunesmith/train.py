@@ -86,6 +86,7 @@ from tunesmith.fused import (
 )
 from tunesmith.lora import attach_lora, save_adapter, trainable_parameters, unfreeze
 from tunesmith.models import load_model, load_tokenizer
+from tunesmith.qlora import BASE_CODES, base_codes, quantized_scheme
 
 CALIBRATION_STEPS = 3  # steps timed before a time budget resizes the run
 
@@ -338,14 +339,26 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     # Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast): updates smaller than a bf16
     # weight's rounding step would otherwise be lost. A frozen base may sit in the compute dtype, or quantized.
     dtype = torch.float32 if cfg.fine_tune_type == "full" else weight_dtype(device, precision)
+    # --base-calibration: the base loads at full precision once, and GPTQ chooses its codes on the training data;
+    # a resumed run loads it rounded to nearest and takes the codes its checkpoint saved (below); an injected model
+    # that is already quantized is taken as it is
+    calibrate = cfg.base_calibration > 0 and not cfg.resume and not (model is not None and quantized_scheme(model))
+    if calibrate and several:
+        raise TunesmithError("--base-calibration runs in a one-process run (each process would calibrate on its "
+                             "own): calibrate with one process and --max-steps 1, then --resume it with --gpus")
     if model is None:  # under FSDP2 into CPU memory: sharding moves each process's part onto its GPU
         model, tokenizer = load_model(cfg.model, torch.device("cpu") if fsdp else accelerator.device, dtype,
-                                      cfg.trust_remote_code,
-                                      allow_pickle=cfg.allow_pickle, quantize_base=cfg.quantize_base)
-    elif cfg.quantize_base != "none":
+                                      cfg.trust_remote_code, allow_pickle=cfg.allow_pickle,
+                                      quantize_base="none" if calibrate else cfg.quantize_base)
+    elif cfg.quantize_base != "none" and not calibrate:
         from tunesmith.qlora import quantize_base
 
         quantize_base(model, cfg.quantize_base)
+    if calibrate:
+        from tunesmith.qlora import calibrate_base
+
+        blocks = [list(ids) for ids, _ in data.train[: cfg.base_calibration]]
+        calibrate_base(model, cfg.quantize_base, blocks, progress and main)
     elif cfg.fine_tune_type == "full" and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
         model.to(dtype)  # an injected half-precision model gets its fp32 master weights
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
@@ -387,6 +400,13 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     ckpt = saver.find(cfg.resume) if cfg.resume else None
     if ckpt:
         saver.check_config(ckpt, cfg.on_config_mismatch)
+        if cfg.base_calibration or (ckpt.path / BASE_CODES).is_file():
+            from tunesmith.qlora import apply_base_codes
+
+            if not (ckpt.path / BASE_CODES).is_file():
+                raise TunesmithError(f"--resume {ckpt.path}: --base-calibration is set, but the checkpoint holds no "
+                                     f"calibrated codes ({BASE_CODES}); resume with the checkpoint's settings")
+            apply_base_codes(model, ckpt.path / BASE_CODES)
     per_step = _examples_per_step(cfg, ckpt, batch_size, world, say)
     if ckpt and fsdp:  # sharding then splits the restored weights; the optimizer's moments follow after prepare
         restore_weights(ckpt, model)
@@ -591,7 +611,8 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
     else:
         weights = full_trainable_state(model) if is_sharded(model) else None
         if acc.is_main_process:  # records the model it needs, and how its base was held
-            save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights)
+            save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights,
+                         base_codes=base_codes(model) if cfg.base_calibration else None)
     acc.wait_for_everyone()
     result.model = unlean_layers(unfuse_qkv(uncompile_layers(model)))
     return result
