@@ -341,6 +341,26 @@ def test_a_calibrated_base_travels_with_its_adapter(tmp_path, tiny_dir, text_fil
         load_with_adapter(None, r.adapter_dir)
 
 
+def test_the_server_loads_a_calibrated_base_and_refuses_to_mix_bases(tmp_path, tiny_dir, text_file):
+    pytest.importorskip("fastapi")
+    from safetensors.torch import load_file
+
+    from tunesmith.config import ServeConfig
+    from tunesmith.qlora import BASE_CODES, base_codes
+    from tunesmith.serve import load_served
+    from tunesmith.train import train
+
+    runs = {name: train(tiny_train_config(tmp_path / name, tiny_dir, text_file, quantize_base="nf4", max_steps=1,
+                                          checkpoint_every=0, **kw), progress=False).adapter_dir
+            for name, kw in (("a", dict(base_calibration=4)), ("b", dict(base_calibration=6)), ("c", {}))}
+    served = load_served(ServeConfig(adapter=[f"a={runs['a']}"], device="cpu"), progress=False)
+    saved = load_file(runs["a"] / BASE_CODES)
+    assert all(torch.equal(saved[k], v) for k, v in base_codes(served.model).items())
+    for pair in (("a", "b"), ("a", "c")):
+        with pytest.raises(TunesmithError, match="trained on different bases"):
+            load_served(ServeConfig(adapter=[f"{n}={runs[n]}" for n in pair], device="cpu"), progress=False)
+
+
 def test_base_calibration_needs_a_scheme_with_codes_to_choose():
     from tunesmith.config import TrainConfig
 

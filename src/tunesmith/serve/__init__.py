@@ -85,6 +85,25 @@ def running(app, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
         thread.join()
 
 
+def _calibrated_codes(adapters: dict[str, str]) -> Path | None:
+    """The calibrated base's codes (train --base-calibration) the adapters were trained on, or None for a base
+    rounded to nearest. Adapters served together share one base, so they must share its codes too."""
+    import hashlib
+
+    from tunesmith.qlora import BASE_CODES
+
+    files = {name: Path(path) / BASE_CODES for name, path in adapters.items()}
+    present = {name: f for name, f in files.items() if f.is_file()}
+    if not present:
+        return None
+    digests = {hashlib.sha256(f.read_bytes()).hexdigest() for f in present.values()}
+    if len(present) < len(files) or len(digests) > 1:
+        raise TunesmithError("--adapter: these adapters were trained on different bases (calibrated with "
+                             f"--base-calibration: {', '.join(sorted(present))}; each run calibrates its own); serve "
+                             "together only adapters trained on the same base")
+    return next(iter(present.values()))
+
+
 def load_served(cfg: ServeConfig, progress: bool = True):
     """The model (with every adapter loaded beside the others, over one copy of the base) and its names."""
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
@@ -104,6 +123,11 @@ def load_served(cfg: ServeConfig, progress: bool = True):
     device = resolve_device(cfg.device)
     dtype = weight_dtype(device, resolve_precision(device, cfg.precision))
     model, tokenizer = load_model(spec, device, dtype, cfg.trust_remote_code, quantize_base=schemes.pop())
+    calibrated = _calibrated_codes(adapters)
+    if calibrated is not None:
+        from tunesmith.qlora import apply_base_codes
+
+        apply_base_codes(model, calibrated)
     for name, path in adapters.items():
         model = load_adapter(model, path, base=spec, name=name)
     model.eval()
