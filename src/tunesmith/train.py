@@ -354,13 +354,13 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         from tunesmith.qlora import quantize_base
 
         quantize_base(model, cfg.quantize_base)
+    elif cfg.fine_tune_type == "full" and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+        model.to(dtype)  # an injected half-precision model gets its fp32 master weights
     if calibrate:
         from tunesmith.qlora import calibrate_base
 
         blocks = [list(ids) for ids, _ in data.train[: cfg.base_calibration]]
         calibrate_base(model, cfg.quantize_base, blocks, progress and main)
-    elif cfg.fine_tune_type == "full" and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
-        model.to(dtype)  # an injected half-precision model gets its fp32 master weights
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     compiled, graphs, liger = fast_paths(cfg, device.type, world, fsdp)
