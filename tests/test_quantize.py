@@ -231,3 +231,35 @@ def test_quantize_verb_names_its_data_and_says_each_stage(trained, tokenizer, tm
     for stage in ("scoring the float model on", f"quantizing {float_dir} to int4 (GPTQ calibrated on",
                   "GPTQ on 4 blocks, layer", "scoring the int4 model as saved in"):
         assert stage in err
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_layer_by_layer_replay_reproduces_the_model(arch):
+    """GPTQ runs the decoder one layer at a time on recorded inputs: through every layer that must give the model's
+    own hidden states. Gemma 3's global layer takes a different mask and rotary table than its sliding-window
+    layers (replaying the first layer's arguments everywhere got them wrong); blocks of equal length run batched,
+    the odd-length one alone."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    from tunesmith.gptq import layer_inputs
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    if arch == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, sliding_window=4, rope_theta=1e6, query_pre_attn_scalar=8,
+                                                   layer_types=["sliding_attention", "full_attention",
+                                                                "sliding_attention"]))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    model.eval()
+    blocks = [torch.randint(0, 64, (12,)).tolist() for _ in range(3)] + [torch.randint(0, 64, (7,)).tolist()]
+    with torch.no_grad():
+        hidden, run_all = layer_inputs(model, blocks, batch_tokens=24)  # batches of two 12-token blocks
+        for layer in model.model.layers:
+            hidden = run_all(layer, hidden)
+        for ids, h in zip(blocks, hidden, strict=True):
+            assert h.shape == (1, len(ids), 32)
+            # the model's last hidden state comes after the final norm
+            want = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
+            torch.testing.assert_close(model.model.norm(h), want, rtol=1e-5, atol=1e-5)

@@ -133,11 +133,18 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, grid: Gri
 
 def _gptq(weight, hessian, group_size: int, grid: Grid, damp: float, block: int):
     scales, offsets = _params(weight.float(), group_size, grid)
-    col_scale = scales.repeat_interleave(group_size, dim=1)
-    col_offset = offsets.repeat_interleave(group_size, dim=1)
-    q = _column_loop(weight, hessian, damp, block,
-                     lambda w, cols: fake_quant(w, col_scale[:, cols], col_offset[:, cols], grid))
-    return q, scales, offsets
+    # One row per input column, contiguous: the loop reads a column's scales (and offsets) at a time.
+    col_scale = scales.T.repeat_interleave(group_size, dim=0).contiguous()
+    col_offset = offsets.T.repeat_interleave(group_size, dim=0).contiguous()
+
+    def rounder(w: torch.Tensor, col: int) -> torch.Tensor:  # fake_quant's arithmetic, in place on one temporary
+        s = col_scale[col]
+        if grid.affine:
+            o = col_offset[col]
+            return w.sub(o).div_(s).round_().clamp_(grid.qmin, grid.qmax).mul_(s).add_(o)
+        return w.div(s).round_().clamp_(grid.qmin, grid.qmax).mul_(s)
+
+    return _column_loop(weight, hessian, damp, block, rounder), scales, offsets
 
 
 def gptq_levels(weight: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor,
@@ -147,14 +154,14 @@ def gptq_levels(weight: torch.Tensor, hessian: torch.Tensor, scales: torch.Tenso
     column by column against the Hessian. Returns the codes [out, in] (int64 indices into `levels`), for a format
     such as NF4 whose levels are not evenly spaced (the grids above are)."""
     group = weight.shape[1] // scales.shape[1]
-    col_scale = scales.float().to(weight.device).repeat_interleave(group, dim=1)
+    col_scale = scales.float().to(weight.device).T.repeat_interleave(group, dim=0).contiguous()  # [in, out]
     table = levels.float().to(weight.device)
-    codes = torch.zeros(weight.shape, dtype=torch.long, device=weight.device)
+    codes = torch.zeros(weight.shape[::-1], dtype=torch.long, device=weight.device)  # [in, out], as col_scale
 
-    def nearest(w: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        s = col_scale[:, cols]
+    def nearest(w: torch.Tensor, col: int) -> torch.Tensor:
+        s = col_scale[col]
         c = (w / s).unsqueeze(-1).sub(table).abs().argmin(dim=-1)
-        codes[:, cols] = c
+        codes[col] = c
         return table[c] * s
 
     threads = torch.get_num_threads()
@@ -163,12 +170,15 @@ def gptq_levels(weight: torch.Tensor, hessian: torch.Tensor, scales: torch.Tenso
         _column_loop(weight, hessian, damp, block, nearest)
     finally:
         torch.set_num_threads(threads)
-    return codes
+    return codes.T.contiguous()
 
 
 def _column_loop(weight, hessian, damp: float, block: int, rounder) -> torch.Tensor:
     """GPTQ's loop: columns in act-order, each rounded by `rounder(values [out], column index)` and its error
-    spread over the columns after it. Returns the rounded weights [out, in] in the original column order."""
+    spread over the columns after it. Returns the rounded weights [out, in] in the original column order.
+
+    The weights are held transposed ([in, out], a column per contiguous row) and each step is a few in-place ops
+    on whole rows: the loop runs once per input column (thousands per layer), so its per-op overhead is its cost."""
     w = weight.float().clone()
     n = w.shape[1]
     h = hessian.float().clone()
@@ -177,20 +187,21 @@ def _column_loop(weight, hessian, damp: float, block: int, rounder) -> torch.Ten
     w[:, dead] = 0.0
     h += damp * torch.mean(torch.diag(h)) * torch.eye(n, device=h.device)
     perm = torch.argsort(torch.diag(h), descending=True)
-    w, h = w[:, perm], h[perm][:, perm]
+    wt, h = w[:, perm].T.contiguous(), h[perm][:, perm]
     # Upper Cholesky factor of H^-1: row i holds how column i's error should move the columns after it.
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    q = torch.zeros_like(w)
+    inv_diag, cols = (1.0 / torch.diag(hinv)).tolist(), perm.tolist()
+    q = torch.empty_like(wt)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
-        w1, err1, hinv1 = w[:, i1:i2].clone(), w.new_zeros(w.shape[0], i2 - i1), hinv[i1:i2, i1:i2]
+        w1, err1, hinv1 = wt[i1:i2], wt.new_empty(i2 - i1, wt.shape[1]), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            q[:, i1 + i] = rounder(w1[:, i], perm[i1 + i])
-            err = (w1[:, i] - q[:, i1 + i]) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]  # the whole block's error, onto the columns after it
-    return q[:, torch.argsort(perm)]
+            qi = q[i1 + i]
+            qi.copy_(rounder(w1[i], cols[i1 + i]))
+            err = torch.sub(w1[i], qi, out=err1[i]).mul_(inv_diag[i1 + i])
+            w1[i + 1:].addr_(hinv1[i, i + 1:], err, alpha=-1.0)
+        wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1.0)  # the whole block's error, onto the columns after it
+    return q.T[:, torch.argsort(perm)]
 
 
 class _Captured(Exception):
@@ -231,18 +242,36 @@ def gptq_decoder_layers(model, calibration: Sequence[Sequence[int]], plan: Plan,
     return done
 
 
-def layer_inputs(model, calibration: Sequence[Sequence[int]]):
+def layer_inputs(model, calibration: Sequence[Sequence[int]], batch_tokens: int = 2048):
     """(the first decoder layer's inputs, one per calibration block; run_all(layer, inputs) -> that layer's
-    outputs): what a layer-by-layer pass over model.model.layers needs."""
-    layers = model.model.layers
-    inputs: list[tuple[tuple, dict]] = []
+    outputs): what a layer-by-layer pass over model.model.layers needs.
+
+    Each layer's own keyword arguments are recorded (one pass through the model with every layer skipped): they
+    differ between layer types, as Gemma 3's sliding-window and global layers differ in mask and rotary tables.
+    run_all stacks consecutive blocks whose arguments are equal into batches of up to `batch_tokens` tokens (one
+    larger product per linear instead of many small ones) and hands the outputs back one per block."""
+    layers = list(model.model.layers)
+    calls: dict[torch.nn.Module, list[tuple[tuple, dict]]] = {layer: [] for layer in layers}
+    hidden: list[torch.Tensor] = []
     device = model.get_input_embeddings().weight.device
 
-    def capture(_module, args, kwargs):
-        inputs.append((args, kwargs))
+    def record(module, args, kwargs):
+        if module is layers[0]:
+            hidden.append(args[0] if args else kwargs["hidden_states"])
+        calls[module].append((args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"}))
+
+    def skip(*args, **kwargs):  # the layer's output is not needed here, only what it was called with
+        return args[0] if args else kwargs["hidden_states"]
+
+    def stop(*_):
         raise _Captured
 
-    hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    if (head := model.get_output_embeddings()) is not None:  # nothing after the layers is needed either
+        hooks.append(head.register_forward_pre_hook(stop))
+    own = [layer.__dict__.get("forward") for layer in layers]  # a wrapper's forward set on the instance, if any
+    for layer in layers:
+        layer.forward = skip
     try:
         for ids in calibration:
             try:
@@ -250,17 +279,57 @@ def layer_inputs(model, calibration: Sequence[Sequence[int]]):
             except _Captured:
                 pass
     finally:
-        hook.remove()
-    hidden = [args[0] if args else kwargs["hidden_states"] for args, kwargs in inputs]
+        for h in hooks:
+            h.remove()
+        for layer, forward in zip(layers, own, strict=True):
+            del layer.forward
+            if forward is not None:
+                layer.forward = forward
 
     def run_all(layer, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        outs = []
-        for x, (args, kwargs) in zip(xs, inputs, strict=True):
-            out = layer(x, *args[1:], **{k: v for k, v in kwargs.items() if k != "hidden_states"})
-            outs.append(out[0] if isinstance(out, tuple) else out)
+        recorded, outs, i = calls[layer], [], 0
+        while i < len(xs):
+            j = i + 1
+            while (j < len(xs) and (j - i + 1) * xs[i].shape[1] <= batch_tokens and xs[j].shape == xs[i].shape
+                   and _same(recorded[j], recorded[i])):
+                j += 1
+            args, kwargs = _batched(recorded[i], j - i)
+            out = layer(torch.cat(xs[i:j]) if j - i > 1 else xs[i], *args, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            outs.extend(out.split(1) if j - i > 1 else [out])
+            i = j
         return outs
 
     return hidden, run_all
+
+
+def _same(a, b) -> bool:
+    """Whether two recorded layer arguments are equal (tensors by value)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and (a is b or torch.equal(a, b)))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:
+        return False
+
+
+def _batched(recorded: tuple[tuple, dict], n: int):
+    """One block's recorded (args, kwargs) for a batch of n such blocks: per-block tensors (a leading dimension of
+    1: rotary tables, masks, positions) expanded along it (views, no copies)."""
+    def grow(v):
+        if isinstance(v, torch.Tensor) and n > 1 and v.dim() >= 2 and v.shape[0] == 1:
+            return v.expand(n, *v.shape[1:])
+        if isinstance(v, tuple):
+            return tuple(grow(x) for x in v)
+        return v
+
+    args, kwargs = recorded
+    return tuple(grow(a) for a in args), {k: grow(v) for k, v in kwargs.items()}
 
 
 def rtn_decoder_layers(model, plan: Plan) -> dict[str, tuple]:
@@ -276,15 +345,19 @@ def rtn_decoder_layers(model, plan: Plan) -> dict[str, tuple]:
 
 
 def _hessians(linears: dict[str, torch.nn.Module], forward, *args) -> dict[str, torch.Tensor]:
-    """2 X^T X / tokens for the inputs X each linear sees while `forward(*args)` runs."""
+    """2 X^T X / tokens for the inputs X each linear sees while `forward(*args)` runs. Linears fed the same
+    tensor (q/k/v, gate/up) share one product per call."""
     hess = {n: torch.zeros(m.in_features, m.in_features, device=m.weight.device) for n, m in linears.items()}
     count = dict.fromkeys(linears, 0)
+    last: list = [None, None]  # the input seen last, and its 2 X^T X
 
     def accumulate(name):
         def hook(_module, inp, _out):
-            x = inp[0].reshape(-1, inp[0].shape[-1]).float()
-            hess[name].addmm_(x.T, x, alpha=2.0)
-            count[name] += x.shape[0]
+            if inp[0] is not last[0]:
+                x = inp[0].reshape(-1, inp[0].shape[-1]).float()
+                last[:] = inp[0], torch.mm(x.T, x).mul_(2.0)
+            hess[name].add_(last[1])
+            count[name] += inp[0].numel() // inp[0].shape[-1]
 
         return hook
 
@@ -294,4 +367,5 @@ def _hessians(linears: dict[str, torch.nn.Module], forward, *args) -> dict[str, 
     finally:
         for h in hooks:
             h.remove()
+        last.clear()
     return {n: h / max(count[n], 1) for n, h in hess.items()}
