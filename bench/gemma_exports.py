@@ -3,8 +3,9 @@
     python bench/gemma_exports.py --model gemma3-270m --out /tmp/gemma-bench
     python bench/gemma_exports.py --model gemma3-270m --adapter runs/gemma/adapter --out /tmp/gemma-bench
 
-GGUF (f16, q8_0, q4_k_m; rounded to nearest): read back by the gguf package (every tensor dequantizes; q4_k_m's
-per-tensor types are llama-quantize's, its size against llama.cpp's expected size) and by transformers' GGUF loader
+GGUF (f16, q8_0, q4_k_m rounded to nearest; with --calibration-blocks N also q8_0, q4_0, q4_k_m by GPTQ on N
+training blocks): read back by the gguf package (every tensor dequantizes; q4_k_m's per-tensor types are
+llama-quantize's, its size against llama.cpp's expected size) and by transformers' GGUF loader
 (logits on the first held-out Shakespeare block against PyTorch, perplexity on --blocks blocks). MLX (fp32): greedy
 32 tokens from three prompts under mlx-lm against PyTorch greedy. .pte (fp32, XNNPACK): logits over a 24-token
 prefill then 16 single-token steps against the eager model (max |Δ|). Core ML (fp16): conversion and the saved
@@ -27,6 +28,7 @@ from tunesmith.data import load_data
 from tunesmith.evaluate import evaluate
 from tunesmith.export import kquant
 from tunesmith.models import resolve_model
+from tunesmith.quantize import calibration_blocks
 
 PROMPTS = ("ROMEO:\n", "JULIET:\nO Romeo", "First Citizen:\nBefore we proceed")
 
@@ -44,12 +46,14 @@ def torch_greedy(model, ids: list[int], n: int) -> list[int]:
     return seq[len(ids):]
 
 
-def bench_gguf(folder, out, blocks, ref, ref_ppl, pad_id):
+def bench_gguf(folder, out, blocks, ref, ref_ppl, pad_id, calibration):
     from tunesmith.export import gguf as G
 
-    for quant in ("f16", "q8_0", "q4_k_m"):
+    runs = [(quant, None) for quant in ("f16", "q8_0", "q4_k_m")]
+    runs += [(quant, calibration) for quant in ("q8_0", "q4_0", "q4_k_m") if calibration]
+    for quant, blocks_in in runs:
         start = time.perf_counter()
-        path = G.export(folder, out / f"model-{quant}.gguf", quant, 32, 256, progress=False)
+        path = G.export(folder, out / f"model-{quant}.gguf", quant, 32, 256, calibration=blocks_in, progress=False)
         seconds = time.perf_counter() - start
         reader = gguf.GGUFReader(path)
         for t in reader.tensors:
@@ -67,7 +71,8 @@ def bench_gguf(folder, out, blocks, ref, ref_ppl, pad_id):
         ppl = evaluate(model, blocks, 4, 0, pad_id).perplexity
         rel = float((logits - ref).norm() / ref.norm())
         top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
-        print(f"| gguf {quant} | {size_mib(path):.0f} MiB | {seconds:.0f} s | logits rel {rel:.2e}, top-1 {top1:.1%}, "
+        how = f"GPTQ on {len(blocks_in)} blocks" if blocks_in else "round to nearest" if quant != "f16" else ""
+        print(f"| gguf {quant}{f' ({how})' if how else ''} | {size_mib(path):.0f} MiB | {seconds:.0f} s | logits rel {rel:.2e}, top-1 {top1:.1%}, "
               f"perplexity {ppl:.2f} ({ppl / ref_ppl - 1:+.1%}){note} |", flush=True)
         del model
         path.unlink()
@@ -140,6 +145,8 @@ def main() -> None:
     ap.add_argument("--formats", default="gguf,mlx,pte,coreml")
     ap.add_argument("--max-seq-len", type=int, default=64, help="the .pte's static cache")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--calibration-blocks", type=int, default=0,
+                    help="also q8_0, q4_0 and q4_k_m with GPTQ on this many training blocks (export's default: 64)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="gemma-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +156,9 @@ def main() -> None:
 
         folder = Path(merge(args.model, args.adapter, str(out / "merged")))
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    blocks = load_data("shakespeare", tokenizer, 256).valid[: args.blocks]
+    data = load_data("shakespeare", tokenizer, 256)
+    blocks = data.valid[: args.blocks]
+    calibration = calibration_blocks(data.train, args.calibration_blocks) if args.calibration_blocks else None
     ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = ref_model(torch.tensor([blocks[0][0]])).logits[0]
@@ -158,7 +167,7 @@ def main() -> None:
     print("| artifact | size | export | check |\n| --- | ---: | ---: | --- |")
     formats = args.formats.split(",")
     if "gguf" in formats:
-        bench_gguf(folder, out, blocks, ref, ref_ppl, tokenizer.pad_token_id)
+        bench_gguf(folder, out, blocks, ref, ref_ppl, tokenizer.pad_token_id, calibration)
     if "mlx" in formats:
         bench_mlx(folder, out, tokenizer, ref_model)
     if "pte" in formats:

@@ -12,7 +12,7 @@ from tunesmith.errors import TunesmithError
 from tunesmith.export import gguf as G
 from tunesmith.export import kquant as K
 
-from .conftest import CORPUS
+from .conftest import CORPUS, SHARED_DATA
 from .ship_fixtures import make_gemma3, make_spm_tokenizer
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? 2024  tabs\tand ünïcödé"
@@ -91,10 +91,19 @@ def test_gguf_quantized_reads_back_close(quant, bound, gemma_dir, spm_tokenizer,
         assert {t.name: t.tensor_type.name for t in reader.tensors} == K.tensor_types(shapes, "q4_k_m")
 
 
-def test_gguf_q8_0_with_calibration_rounds_to_nearest_and_says_so(gemma_dir, spm_tokenizer, tmp_path, capfd):
-    path = G.export(gemma_dir, tmp_path / "m.gguf", "q8_0", 32, 256, calibration=[[1, 2, 3, 4]])
-    assert gguf.GGUFReader(path).fields[G.METHOD_KEY].contents() == "round to nearest"
-    assert "GPTQ calibration covers the Llama family" in capfd.readouterr().err
+@pytest.mark.parametrize("quant,ratio", [("q4_0", 0.75), ("q4_k_m", 0.95)])  # measured 0.64, 0.90
+def test_gguf_gptq_reads_back_closer_than_round_to_nearest(quant, ratio, gemma_dir, spm_tokenizer, tmp_path):
+    """GPTQ on Gemma 3: calibration replays each layer with its own mask and rotary table (the sixth layer is
+    global), and the file is closer to the float model on held-out text than rounding to nearest. In the
+    q4_k_m file the 64-wide rows are GPTQ's Q5_0 / Q8_0 and attn_output stays a rounded Q4_K."""
+    speeches = (SHARED_DATA / "tinyshakespeare.txt").read_text().split("\n\n")[:400]
+    ids = torch.tensor(sum((spm_tokenizer(s)["input_ids"] for s in speeches), [])[: 18 * 96]).view(18, 96)
+    blocks, held_out = ids[:16].tolist(), ids[16:]
+    ref = _logits(gemma_dir, held_out)
+    rtn = _logits(None, held_out, G.export(gemma_dir, tmp_path / "rtn.gguf", quant, 32, 256))
+    path = G.export(gemma_dir, tmp_path / "gptq.gguf", quant, 32, 256, calibration=blocks, progress=False)
+    assert gguf.GGUFReader(path).fields[G.METHOD_KEY].contents().startswith("gptq")
+    assert _rel(_logits(None, held_out, path), ref) < ratio * _rel(rtn, ref)
 
 
 def test_multimodal_gemma3_and_other_architectures_are_refused_with_the_supported_list(tmp_path):

@@ -531,7 +531,7 @@ class ExportConfig(Config):
     group_size: int = opt(32, "weights per quantization group for the 4-bit schemes", bounds=AT_LEAST_1)
     max_seq_len: int = opt(256, "longest sequence (prompt + generated tokens) the artifact can hold", bounds=Bounds(2))
     calibration_blocks: int = opt(
-        64, "gguf/ollama q8_0|q4_0|q4_0_mixed and the k-quants' Q8_0/Q5_0 matrices (Llama family): training blocks "
+        64, "gguf/ollama q8_0|q4_0|q4_0_mixed and the k-quants' Q8_0/Q5_0 matrices: training blocks "
         "of --data that GPTQ calibrates the decoder weights on (0: round to nearest, no data, as llama-quantize); "
         "other formats and quants ignore it", bounds=COUNT,
     )

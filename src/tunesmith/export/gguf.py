@@ -83,13 +83,8 @@ def export(
     model_dir = Path(model_dir)
     config = model_config(model_dir)
     chosen, method = {}, "round to nearest"
-    if calibration and qname in CALIBRATED and config.model_type != "llama":
-        from tunesmith.progress import status
-
-        status(f"GPTQ calibration covers the Llama family; this {config.model_type} model's {qname} blocks are "
-               "rounded to nearest", progress)
     plan = kquant.tensor_types(_tensor_shapes(model_dir, config), qname) if qname in KQUANTS else None
-    if calibration and qname in CALIBRATED and config.model_type == "llama":
+    if calibration and qname in CALIBRATED:
         chosen = gptq_blocks(model_dir, config, qname, calibration, progress, plan)
         method = f"gptq (act-order, static groups, sequential), {len(calibration)} calibration blocks"
         if plan is not None:
