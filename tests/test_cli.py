@@ -191,3 +191,28 @@ def test_generate_reads_the_prompt_from_stdin_and_takes_a_system_message(tiny_di
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert main(["generate", "--model", str(tiny_dir), "--device", "cpu", "--prompt", "-"]) == 2
     assert "nothing came on stdin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", ["train", "eval", "quantize", "export", "demo"])
+def test_a_mistyped_data_path_stops_before_the_model_is_looked_at(verb, tmp_path, capsys):
+    """The model named here does not exist either: the data's error coming first shows that no model was resolved
+    (let alone converted, downloaded or merged) before --data was checked."""
+    data = tmp_path / "my-typo.txt"
+    args = {"train": ["--output", str(tmp_path / "run")], "demo": ["--output", str(tmp_path / "demo")],
+            "quantize": ["--output", str(tmp_path / "q")],
+            "export": ["--format", "gguf", "--quant", "q4_0", "--output", str(tmp_path / "m.gguf")]}.get(verb, [])
+    device = ["--device", "cpu"] if verb in ("train", "eval", "demo") else []
+    code = main([verb, "--model", str(tmp_path / "no-model"), "--data", str(data), *device, *args])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [f"tunesmith {verb}: error: data not found: {data} (give a .txt or "
+                                                    ".jsonl file, a folder with train.jsonl, or one of: shakespeare, "
+                                                    "tinyshakespeare)"]
+    assert not (tmp_path / "q").exists() and not (tmp_path / "m.gguf").exists()
+
+
+def test_a_model_that_is_not_there_is_one_line_not_a_plan_warning_and_then_the_error(text_file, tmp_path, capsys):
+    assert main(["train", "--model", str(tmp_path / "no-model"), "--data", str(text_file), "--device", "cpu",
+                 "--output", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"tunesmith train: error: model '{tmp_path / 'no-model'}' not "
+                                                    "found: no such folder or file, and not a built-in alias "
+                                                    "(smollm2-135m-instruct, gemma3-270m) or a hub id (owner/name)"]

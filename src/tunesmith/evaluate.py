@@ -82,11 +82,12 @@ def evaluate_from_config(cfg) -> EvalResult:
     held-out part by default, the training part, or all of it); the result names what was scored."""
     import dataclasses
 
-    from tunesmith.data import describe_part, load_data, no_held_out, split_examples
+    from tunesmith.data import check_data_spec, describe_part, load_data, no_held_out, split_examples
     from tunesmith.device import resolve_device, resolve_precision, weight_dtype
     from tunesmith.errors import TunesmithError
     from tunesmith.lora import load_with_adapter
 
+    check_data_spec(cfg.data)  # before the model loads
     device = resolve_device(cfg.device)
     model, tokenizer, _ = load_with_adapter(cfg.model, cfg.adapter, device,
                                             weight_dtype(device, resolve_precision(device, cfg.precision)),

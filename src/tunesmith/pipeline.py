@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunesmith.config import DEMO_PROMPTS, DemoConfig, TrainConfig, fields_of, save_config
-from tunesmith.data import load_data
+from tunesmith.data import check_data_spec, load_data
 from tunesmith.device import resolve_device, resolve_precision, weight_dtype
 from tunesmith.evaluate import evaluate
 from tunesmith.generate import generate
@@ -49,6 +49,7 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
     train_cfg = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields_of(TrainConfig)})
     train_cfg = dataclasses.replace(train_cfg, output=str(run_dir))
     check_run_folder(train_cfg)  # a refusal (--no-overwrite) comes now, not after minutes of loading and sampling
+    check_data_spec(cfg.data)  # and so does a mistyped --data
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "demo-config.yaml")
     device = resolve_device(cfg.device)

@@ -190,7 +190,7 @@ def calibration_blocks(train: Sequence, n: int) -> list[list[int]]:
 def quantize(cfg, progress: bool = True) -> QuantizeResult:
     """The `quantize` verb: load the float model (+ adapter, merged), quantize, save, reload, compare.
     Each stage says what it does on stderr (GPTQ with a bar per layer) unless `progress` is False."""
-    from tunesmith.data import describe_part, load_data, source_label
+    from tunesmith.data import check_data_spec, describe_part, load_data, source_label
     from tunesmith.lora import load_with_adapter
     from tunesmith.models import resolve_model
     from tunesmith.progress import status
@@ -199,6 +199,8 @@ def quantize(cfg, progress: bool = True) -> QuantizeResult:
     if not cfg.output:
         raise TunesmithError("quantize needs --output, the folder for the quantized model")
     import_torchao()
+    if cfg.eval_blocks or cfg.calibration_blocks:
+        check_data_spec(cfg.data)  # before the model loads
     model, tokenizer, spec = load_with_adapter(cfg.model, cfg.adapter)  # CPU, fp32
     if cfg.adapter:
         from tunesmith.lora import merge_adapter

@@ -39,7 +39,15 @@ from tunesmith.checkpoint import (
     rng_of,
 )
 from tunesmith.config import TrainConfig, save_config, to_dict
-from tunesmith.data import IGNORE, TokenData, collate, collate_packed, describe_data, load_data
+from tunesmith.data import (
+    IGNORE,
+    TokenData,
+    check_data_spec,
+    collate,
+    collate_packed,
+    describe_data,
+    load_data,
+)
 from tunesmith.device import (
     enable_mps_fallback,
     free_memory,
@@ -302,6 +310,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
 
     several = launched()
     earlier = check_run_folder(cfg)  # before anything is written: a refusal leaves the folder as it was
+    if data is None:
+        check_data_spec(cfg.data)  # a mistyped --data fails now, not after the model's conversion or load
     device = resolve_device(cfg.device)
     if device.type == "mps":  # before the first MPS op (the bf16 probe in resolve_precision is one)
         _note(progress, enable_mps_fallback())
@@ -859,7 +869,8 @@ def _plan_memory(cfg: TrainConfig, device: torch.device, precision: str, model, 
                  main: bool = True, world: int = 1) -> int:
     """Write the planner's prediction (per process) to fit.json (the report reads it); 'auto' takes the largest
     batch that fits."""
-    from tunesmith.memory import plan_run, verdict
+    from tunesmith.memory import KNOWN_CONFIGS, plan_run, verdict
+    from tunesmith.models import resolve_model
 
     auto = cfg.batch_size == "auto"
     config = getattr(model, "config", None)
@@ -869,6 +880,8 @@ def _plan_memory(cfg: TrainConfig, device: torch.device, precision: str, model, 
         return cfg.batch_size
     on_device = [] if model is None else [p for p in model.parameters() if p.device.type == device.type]
     resident = sum(p.numel() * p.element_size() for p in on_device)  # weights already loaded: not extra
+    if model is None and cfg.model not in KNOWN_CONFIGS:
+        resolve_model(cfg.model, progress)  # a model that cannot load stops here, with its own one-line error
     try:
         fit = plan_run(cfg, device, precision, config, resident_bytes=resident, world=world)
     except TunesmithError as e:

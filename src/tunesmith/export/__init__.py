@@ -91,9 +91,14 @@ def export(cfg) -> Path:
     if cfg.adapter_only:
         return export_adapter(cfg, module)
     calibrates = getattr(module, "calibrated", None)
+    calibrated = bool(cfg.calibration_blocks and calibrates is not None and calibrates(cfg.quant))
+    if calibrated:
+        from tunesmith.data import check_data_spec
+
+        check_data_spec(cfg.data)  # before the merge
     with model_folder(cfg.model, cfg.adapter) as model_dir:
         kw = {"backend": cfg.backend} if cfg.format == "keras" else {}
-        if cfg.calibration_blocks and calibrates is not None and calibrates(cfg.quant):
+        if calibrated:
             kw["calibration"] = calibration(model_dir, cfg)
         return module.export(model_dir, Path(cfg.output), cfg.quant, cfg.group_size, cfg.max_seq_len, **kw)
 
