@@ -17,14 +17,13 @@ concatenation it adds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lora_overhead import SHAPES, linears  # noqa: E402
+from lora_overhead import SHAPES, linears, timed  # noqa: E402
 
 
 class ConcatLoRA(torch.autograd.Function):
@@ -58,20 +57,6 @@ class ConcatLoRA(torch.autograd.Function):
 
 def peft(x, w, a, b, s):
     return torch.nn.functional.linear(x, w) + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * s
-
-
-def timed(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return statistics.median(times)
 
 
 def main() -> None:
