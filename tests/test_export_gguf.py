@@ -397,3 +397,23 @@ def test_library_export_is_quiet_with_progress_false(tiny_dir, tokenizer, tmp_pa
     G.export(tiny_dir, tmp_path / "m.gguf", "q4_0", 32, 64, calibration=_blocks(tokenizer, 4), progress=False)
     err = capfd.readouterr().err
     assert "GPTQ" not in err and "tensors" not in err
+
+
+def test_run_generates_from_the_gguf_file_itself(tiny_dir, tokenizer, tmp_path, capsys):
+    """`tunesmith run model.gguf`: the file's own weights (f32: exactly the model's) and tokenizer, streamed; what
+    is not a .pte or .gguf is refused with how it runs."""
+    from tunesmith.generate import generate
+    from tunesmith.models import load_model
+
+    path = G.export(tiny_dir, tmp_path / "ship", "fp32", 32, 256)
+    shutil.copytree(tiny_dir, tmp_path / "elsewhere")
+    model, _ = load_model(str(tmp_path / "elsewhere"), "cpu")
+    assert main(["run", str(path), "--prompt", "ROMEO:", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "ROMEO:" + generate(model, tokenizer, "ROMEO:", max_tokens=8) + "\n"
+    assert "generated at" in out.err
+    assert main(["run", str(tmp_path / "elsewhere")]) == 2
+    assert capsys.readouterr().err == (f"tunesmith run: error: {tmp_path / 'elsewhere'} is a model folder: run an MLX "
+                                       f"export with `mlx_lm.generate --model {tmp_path / 'elsewhere'}` (on a Mac), a "
+                                       f"merged folder with `tunesmith generate --model {tmp_path / 'elsewhere'}`; "
+                                       "`tunesmith run` takes a .pte or .gguf file\n")

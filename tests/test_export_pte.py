@@ -170,7 +170,10 @@ def test_bad_run_inputs_are_one_clear_error(pte_fp32, tmp_path, capsys):
     from tunesmith.pte_runtime import run_from_config
 
     assert main(["run", str(tmp_path / "missing.pte")]) == 2
-    assert "no such .pte file" in capsys.readouterr().err
+    assert f"{tmp_path / 'missing.pte'}: no such file" in capsys.readouterr().err
+    assert main(["run", str(pte_fp32.parent)]) == 2  # the export's folder: the file in it is named
+    assert capsys.readouterr().err.startswith(f"tunesmith run: error: {pte_fp32.parent} is a folder; run the file in "
+                                              f"it: tunesmith run {pte_fp32.parent}/")
     lonely = tmp_path / "lonely.pte"
     lonely.write_bytes(pte_fp32.read_bytes())
     assert main(["run", str(lonely)]) == 2

@@ -48,7 +48,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f in C.fields_of(cls):
         if f.metadata.get("positional"):  # `tunesmith report RUN_DIR`
-            parser.add_argument(f.name, metavar=f.name.upper(), help=f.metadata.get("help", ""))
+            parser.add_argument(f.name, metavar=f.metadata.get("metavar", f.name.upper()), help=f.metadata.get("help", ""))
             continue
         names = [C.flag(n) for n in C.names_of(f)]  # --max-steps, and mlx-lm's --iters
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -199,7 +199,7 @@ VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "parity": (C.ParityConfig, _parity, "check that the device's logits and greedy output match the CPU's"),
     "quantize": (C.QuantizeConfig, _quantize, "int8 / int4 weight-only copy of a model for eager inference, vs float"),
     "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, Ollama, MLX or Core ML (or an adapter alone)"),
-    "run": (C.RunConfig, _run, "generate from a .pte with the ExecuTorch runtime, streaming, with tokens/s"),
+    "run": (C.RunConfig, _run, "generate from an exported .pte (ExecuTorch runtime) or .gguf, streaming, with tokens/s"),
     "compare": (C.CompareConfig, _compare, "the quality ladder: base, LoRA, merged, int8, int4, .pte on the same text"),
     "serve": (C.ServeConfig, _serve, "an OpenAI-compatible HTTP server for a model and its adapters (needs "
               "tunesmith[serve])"),

@@ -542,9 +542,11 @@ class ExportConfig(Config):
 
 @dataclass
 class RunConfig(Config):
-    """`tunesmith run model.pte`: generate with the ExecuTorch runtime and the tokenizer saved beside the .pte."""
+    """`tunesmith run model.pte` (or model.gguf): generate from an exported file, with the tokenizer it carries."""
 
-    pte: str = opt("", "the .pte file written by `tunesmith export --format pte`", positional=True)
+    pte: str = opt("", "the exported file: a .pte (`export --format pte`: the ExecuTorch runtime, with the tokenizer "
+                   "saved beside it) or a .gguf (`export --format gguf`: its own weights, dequantized exactly, and "
+                   "tokenizer, through PyTorch on the CPU)", positional=True, metavar="FILE")
     prompt: str = same_as(GenerateConfig, "prompt")
     max_tokens: int = same_as(GenerateConfig, "max_tokens")
     temperature: float = same_as(GenerateConfig, "temperature")

@@ -111,11 +111,43 @@ def stream_generate_pte(
 
 
 def run_from_config(cfg, write=None) -> list[GenerationResponse]:
-    """The `run` verb: stream a generation from the .pte to `write` (stdout), return the responses."""
+    """The `run` verb: stream a generation from the exported file to `write` (stdout), return the responses. A .pte
+    runs in the ExecuTorch runtime; a .gguf through PyTorch on the CPU from the file's own weights (its quantized
+    values, dequantized exactly) and tokenizer, in fp32, as `generate --model file.gguf` does."""
     if not cfg.pte:
-        raise TunesmithError("run needs the .pte file: tunesmith run model.pte --prompt '...'")
+        raise TunesmithError("run needs the exported file: tunesmith run model.pte (or model.gguf) --prompt '...'")
+    path = Path(cfg.pte)
+    check_artifact(path)
     prompt = resolve_prompt(cfg.prompt)
-    model = PteModel(cfg.pte)
-    stream = stream_generate_pte(model, prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed, cfg.chat,
-                                 cfg.system)
+    if path.suffix == ".gguf":
+        from tunesmith.generate import stream_generate
+        from tunesmith.models import load_model
+
+        model, tokenizer = load_model(str(path), torch.device("cpu"), torch.float32)
+        stream = stream_generate(model, tokenizer, prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed,
+                                 cfg.chat, cfg.system)
+    else:
+        stream = stream_generate_pte(PteModel(path), prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed,
+                                     cfg.chat, cfg.system)
     return stream_to(write, "" if cfg.chat else prompt, stream)
+
+
+def check_artifact(path: Path) -> None:
+    """What `run` takes: a .pte or .gguf file; anything else is refused with how that kind of artifact runs."""
+    if path.suffix in (".pte", ".gguf") and path.is_file():
+        return
+    if not path.exists():
+        raise TunesmithError(f"{path}: no such file; `tunesmith export --format pte` (or gguf) writes one to run")
+    inside = sorted(p for p in path.iterdir() if p.suffix in (".pte", ".gguf")) if path.is_dir() else []
+    if inside:  # an export's folder (Ollama's holds its .gguf)
+        how = f"a folder; run the file in it: tunesmith run {inside[0]}"
+    elif path.suffix == ".mlpackage":
+        how = "a Core ML package, which runs on Apple devices (Core ML in an app, or coremltools' predict on macOS)"
+    elif path.is_dir() and (path / "metadata.json").is_file() and (path / "model.weights.h5").is_file():
+        how = f"a Keras preset: load it with keras_hub.models.CausalLM.from_preset('{path}')"
+    elif path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        how = (f"a model folder: run an MLX export with `mlx_lm.generate --model {path}` (on a Mac), a merged folder "
+               f"with `tunesmith generate --model {path}`")
+    else:
+        how = "not an artifact tunesmith writes"
+    raise TunesmithError(f"{path} is {how}; `tunesmith run` takes a .pte or .gguf file")
