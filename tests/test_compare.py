@@ -17,12 +17,12 @@ from tunesmith.quantize import weights_bytes
 pytest.importorskip("torchao", reason="the int8 / int4 rungs need the ship extra: pip install 'tunesmith[ship]'")
 pytest.importorskip("executorch", reason="the .pte rung needs the ship extra: pip install 'tunesmith[ship]'")
 
-NAMES = ["base", "LoRA (base + adapter)", "merged fp32", "int8", "int4 g32", "pte fp32"]
+NAMES = ["base", "LoRA (base + adapter)", "merged fp32", "int8", "int4 g32", "pte fp32", "gguf f32"]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tokenizer, tmp_path_factory):
-    """A run folder as the demo leaves it (config.yaml, adapter/, merged/) plus exports/model.pte."""
+    """A run folder as the demo leaves it (config.yaml, adapter/, merged/) plus exports/model.pte and an f32 GGUF."""
     from tunesmith.export import export
     from tunesmith.merge import merge
 
@@ -37,6 +37,7 @@ def run_dir(tokenizer, tmp_path_factory):
     merge(str(base), str(run / "adapter"), str(run / "merged"))
     export(ExportConfig(model=str(run / "merged"), format="pte", quant="fp32", max_seq_len=64,
                         output=str(run / "exports" / "model.pte")))
+    export(ExportConfig(model=str(run / "merged"), format="gguf", quant="f32", output=str(run / "exports")))
     return run
 
 
@@ -62,9 +63,9 @@ def test_every_rung_is_scored_in_order(rungs, run_dir):
     assert [r["name"] for r in _read_ladder(run_dir / LADDER_FILE)] == NAMES
 
 
-def test_adapter_merged_and_fp32_pte_agree(rungs):
+def test_adapter_merged_fp32_pte_and_f32_gguf_agree(rungs):
     merged = rungs["merged fp32"]
-    for name in ("LoRA (base + adapter)", "pte fp32"):
+    for name in ("LoRA (base + adapter)", "pte fp32", "gguf f32"):
         assert rungs[name]["perplexity"] == pytest.approx(merged["perplexity"], rel=1e-4)
         assert rungs[name]["samples"] == merged["samples"]  # the same greedy continuations
     assert rungs["base"]["perplexity"] != pytest.approx(merged["perplexity"], rel=1e-3)  # the adapter does something
@@ -84,6 +85,8 @@ def test_bytes_are_what_each_rung_ships(rungs, run_dir):
     assert rungs["int8"]["bytes"] == weights_bytes(run_dir / "quantized-int8") < 0.35 * base
     assert rungs["int4 g32"]["bytes"] == weights_bytes(run_dir / "quantized-int4-g32") < rungs["int8"]["bytes"]
     assert rungs["pte fp32"]["bytes"] == (run_dir / "exports" / "model.pte").stat().st_size
+    assert rungs["gguf f32"]["bytes"] == (run_dir / "exports" / "model-f32.gguf").stat().st_size
+    assert rungs["gguf f32"]["path"] == str(run_dir / "exports" / "model-f32.gguf")
 
 
 def test_the_quantized_folders_are_reused(rungs, run_dir, text_file):
@@ -123,7 +126,7 @@ def test_demo_ship_step_ends_with_the_ladder(run_dir, tmp_path, text_file):
     train = load_data(str(text_file), load_tokenizer(str(run / "merged")), 32).train
     ship(cfg, run / "merged", Console(file=io.StringIO()), train)
     rungs = json.loads((run / LADDER_FILE).read_text())
-    assert [r["name"] for r in rungs] == NAMES[:-1] + ["pte 8da4w g32"]
+    assert [r["name"] for r in rungs] == NAMES[:-2] + ["pte 8da4w g32"]
     meta = json.loads((run / "exports" / "model-8da4w.json").read_text())
     assert meta["weights"].startswith("tunesmith quantize: gptq") and meta["max_seq_len"] == 32
     assert json.loads((run / "quantized-int4-g32" / "tunesmith-quant.json").read_text())["calibration_blocks"] > 0

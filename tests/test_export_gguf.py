@@ -406,6 +406,11 @@ def test_run_generates_from_the_gguf_file_itself(tiny_dir, tokenizer, tmp_path, 
     from tunesmith.models import load_model
 
     path = G.export(tiny_dir, tmp_path / "ship", "fp32", 32, 256)
+    shutil.copy(tiny_dir / "tokenizer.json", tmp_path / "ship")  # a tokenizer file beside it (a .pte's) is not read
+    from tunesmith.models import read_gguf
+
+    _, back = read_gguf(path)
+    assert (back.eos_token, back.pad_token) == (tokenizer.eos_token, tokenizer.pad_token)
     shutil.copytree(tiny_dir, tmp_path / "elsewhere")
     model, _ = load_model(str(tmp_path / "elsewhere"), "cpu")
     assert main(["run", str(path), "--prompt", "ROMEO:", "--max-tokens", "8"]) == 0

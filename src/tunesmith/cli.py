@@ -200,7 +200,7 @@ VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "quantize": (C.QuantizeConfig, _quantize, "int8 / int4 weight-only copy of a model for eager inference, vs float"),
     "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, Ollama, MLX or Core ML (or an adapter alone)"),
     "run": (C.RunConfig, _run, "generate from an exported .pte (ExecuTorch runtime) or .gguf, streaming, with tokens/s"),
-    "compare": (C.CompareConfig, _compare, "the quality ladder: base, LoRA, merged, int8, int4, .pte on the same text"),
+    "compare": (C.CompareConfig, _compare, "the quality ladder: base, LoRA, merged, int8, int4, each .pte and .gguf on the same text"),
     "serve": (C.ServeConfig, _serve, "an OpenAI-compatible HTTP server for a model and its adapters (needs "
               "tunesmith[serve])"),
     "chat": (C.ChatConfig, _chat, "talk to a model (+ adapter) in the terminal: streamed answers, /reset, /quit"),

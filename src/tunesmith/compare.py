@@ -95,6 +95,17 @@ def score_pte(path: Path, examples: Sequence[Example], prompts: Sequence[str], m
     return Rung(name, ppl, path.stat().st_size, tps, samples, str(path), note)
 
 
+def score_gguf(path: Path, examples: Sequence[Example], prompts: Sequence[str], max_tokens: int) -> Rung:
+    """A GGUF export, its weights dequantized exactly into PyTorch (fp32, CPU) with its own tokenizer: what its
+    quantization costs, not llama.cpp's speed."""
+    from tunesmith.models import read_gguf
+
+    model, tokenizer = read_gguf(path)
+    quant = path.stem.removeprefix("model-") if path.stem.startswith("model-") else path.name
+    return score_eager(f"gguf {quant}", model, tokenizer, examples, prompts, max_tokens, path.stat().st_size,
+                       str(path))
+
+
 def score_keras(folder: Path, info: dict, tokenizer, examples: Sequence[Example], prompts: Sequence[str],
                 max_tokens: int) -> Rung:
     """A Keras preset (export --format keras) on its backend, in a child process: perplexity from its logits on the
@@ -211,11 +222,22 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
         ptes = []
     for path in ptes:
         rungs.append(timed(path.name, score_pte, path, examples, prompts, cfg.max_tokens))
+    for path in _gguf_files(run_dir / "exports", echo):
+        rungs.append(timed(path.name, score_gguf, path, examples, prompts, cfg.max_tokens))
     for folder, info in _keras_presets(run_dir / "exports", echo):
         rungs.append(timed(f"keras {info['backend']}", score_keras, folder, info, tokenizer, examples, prompts,
                            cfg.max_tokens))
     write_ladder(run_dir, rungs, prompts)
     return rungs
+
+
+def _gguf_files(exports: Path, echo) -> list[Path]:
+    """Every .gguf under <run>/exports and one folder down (an Ollama export's); a line if gguf is missing."""
+    found = sorted(exports.glob("*.gguf")) + sorted(exports.glob("*/*.gguf")) if exports.is_dir() else []
+    if found and importlib.util.find_spec("gguf") is None:
+        echo(f"  {len(found)} .gguf rung(s) skipped: reading a .gguf needs the 'gguf' package: pip install gguf")
+        return []
+    return found
 
 
 def _keras_presets(exports: Path, echo) -> list[tuple[Path, dict]]:

@@ -562,7 +562,8 @@ class RunConfig(Config):
 class CompareConfig(DataConfig):
     """`tunesmith compare RUN_DIR`: the quality ladder, every rung on the same held-out text and prompts."""
 
-    run_dir: str = opt("", "run folder (the demo's): adapter/, merged/ and exports/*.pte are read; ladder.json is written",
+    run_dir: str = opt("", "run folder (the demo's): adapter/, merged/ and the exports/ (.pte, .gguf, Keras) are read; "
+                       "ladder.json is written",
                        positional=True)
     model: str = opt("", "base model (default: the one the run's adapter was trained on, else the one its config names)")
     pte: list[str] = opt([], "extra .pte files, comma-separated (every .pte under <run-dir>/exports is included)",

@@ -197,20 +197,9 @@ def gguf_to_folder(path: Path, progress: bool = True) -> Path:
     target = cache_dir() / "models" / f"{path.stem}-{_file_key(path)}"
     if (target / "tunesmith-source.json").is_file():
         return target
-    try:
-        import gguf  # noqa: F401  (transformers needs it to read the file)
-    except ImportError:
-        raise TunesmithError("reading a .gguf file needs the 'gguf' package: pip install gguf") from None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     started = time.perf_counter()
     status(f"converting {path.name} to a safetensors folder in {target.parent} (once; later loads reuse it)", progress)
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except (ValueError, OSError, KeyError) as e:
-        raise TunesmithError(f"could not read GGUF file {path}: {e}") from None
+    loaded, tokenizer = _read_gguf(path)
     model = _without_gguf_quantizer(loaded)
     with atomic_folder(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -218,6 +207,35 @@ def gguf_to_folder(path: Path, progress: bool = True) -> Path:
         (tmp / "tunesmith-source.json").write_text(json.dumps({"gguf": str(path.resolve())}, indent=2))
     status(f"converted {path.name} in {time.perf_counter() - started:.0f}s", progress)
     return target
+
+
+def read_gguf(path: Path):
+    """(model, tokenizer) from a GGUF file, dequantized into memory in fp32 for inference, with no cached copy:
+    what `run` and the quality ladder score an exported file with (training loads go through gguf_to_folder)."""
+    model, tokenizer = _read_gguf(path)
+    return model.eval(), pad_with_eos(tokenizer)
+
+
+def _read_gguf(path: Path):
+    """The model (carrying its GGUF quantization_config) and tokenizer that transformers reads from `path`."""
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError:
+        raise TunesmithError("reading a .gguf file needs the 'gguf' package: pip install gguf") from None
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # From a folder that holds the file alone: transformers would take tokenizer files lying beside it (an export
+    # folder may hold a .pte's) over the ones inside the GGUF.
+    with tempfile.TemporaryDirectory(prefix="tunesmith-gguf-") as tmp:
+        (Path(tmp) / path.name).symlink_to(path.resolve())
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32)
+        except (ValueError, OSError, KeyError) as e:
+            raise TunesmithError(f"could not read GGUF file {path}: {e}") from None
+    return model, tokenizer
 
 
 def _without_gguf_quantizer(loaded: torch.nn.Module) -> torch.nn.Module:

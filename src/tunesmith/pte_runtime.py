@@ -113,7 +113,7 @@ def stream_generate_pte(
 def run_from_config(cfg, write=None) -> list[GenerationResponse]:
     """The `run` verb: stream a generation from the exported file to `write` (stdout), return the responses. A .pte
     runs in the ExecuTorch runtime; a .gguf through PyTorch on the CPU from the file's own weights (its quantized
-    values, dequantized exactly) and tokenizer, in fp32, as `generate --model file.gguf` does."""
+    values, dequantized exactly, in fp32) and tokenizer."""
     if not cfg.pte:
         raise TunesmithError("run needs the exported file: tunesmith run model.pte (or model.gguf) --prompt '...'")
     path = Path(cfg.pte)
@@ -121,9 +121,9 @@ def run_from_config(cfg, write=None) -> list[GenerationResponse]:
     prompt = resolve_prompt(cfg.prompt)
     if path.suffix == ".gguf":
         from tunesmith.generate import stream_generate
-        from tunesmith.models import load_model
+        from tunesmith.models import read_gguf
 
-        model, tokenizer = load_model(str(path), torch.device("cpu"), torch.float32)
+        model, tokenizer = read_gguf(path)
         stream = stream_generate(model, tokenizer, prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed,
                                  cfg.chat, cfg.system)
     else:
