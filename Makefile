@@ -41,8 +41,8 @@ test: setup browser $(VENV)/.export-extras
 	$(BIN)/python -m pytest -q --durations=15
 
 # Keras 3 on JAX and TensorFlow (export --format keras, parity --framework, the ladder's Keras rows): their own
-# target, because installing both backends and running their tests on two cores would take `make test` past CI's
-# 20 minutes (docs/EXPORT.md, "Keras"); without the extras `make test` skips those tests and says which to install.
+# target, because installing both backends and running their tests on two cores would take `make test` past its
+# 20-minute aim (docs/EXPORT.md, "Keras"); without the extras `make test` skips those tests and says which to install.
 $(VENV)/.keras-extras: $(BIN)/tunesmith
 	$(BIN)/pip install -q -e ".[jax,tensorflow]"
 	touch $@
