@@ -29,7 +29,6 @@ from lora_overhead import SHAPES, linears, timed  # noqa: E402
 class ConcatLoRA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, z, a, b, s, n, k):
-        r = a.shape[0]
         z[:n, k:].copy_(b)
         z[n:, :k].copy_(a)
         xa = x @ a.t()
@@ -39,7 +38,7 @@ class ConcatLoRA(torch.autograd.Function):
             y = x @ z[:n, :k].t()
             y.addmm_(xa, b.t(), alpha=s)
         ctx.save_for_backward(x, xa, z, a, b)
-        ctx.s, ctx.n, ctx.k, ctx.r = s, n, k, r
+        ctx.s, ctx.n, ctx.k = s, n, k
         return y
 
     @staticmethod

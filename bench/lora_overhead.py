@@ -60,32 +60,12 @@ def lora(x, g, w, la, lb, s):
     g.t() @ xa  # B's gradient (times s)
 
 
-def one(part, x, g, w, la, lb, s):
-    """One of LoRA's products alone (its inputs made once, outside the timing, by the caller's cache)."""
-    c = _cache(x, g, w, la, lb)
-    if part == "x A^T":
-        x @ la.t()
-    elif part == "addmm fwd":
-        torch.addmm(c["y"], c["xa"], lb.t(), alpha=s)
-    elif part == "g B":
-        g @ lb
-    elif part == "addmm bwd":
-        torch.addmm(c["dx"], c["gb"], la, alpha=s)
-    elif part == "grad A":
-        c["gb"].t() @ x
-    else:
-        g.t() @ c["xa"]
-
-
-_CACHE: dict = {}
-
-
-def _cache(x, g, w, la, lb) -> dict:
-    key = (x.data_ptr(), g.data_ptr())
-    if key not in _CACHE:
-        _CACHE.clear()
-        _CACHE[key] = {"y": x @ w.t(), "xa": x @ la.t(), "dx": g @ w, "gb": g @ lb}
-    return _CACHE[key]
+def parts(x, g, w, la, lb, s) -> dict:
+    """Each of LoRA's products alone, as a callable over intermediates made once here, outside the timing."""
+    y, xa, dx, gb = x @ w.t(), x @ la.t(), g @ w, g @ lb
+    return {"x A^T": lambda: x @ la.t(), "addmm fwd": lambda: torch.addmm(y, xa, lb.t(), alpha=s),
+            "g B": lambda: g @ lb, "addmm bwd": lambda: torch.addmm(dx, gb, la, alpha=s),
+            "grad A": lambda: gb.t() @ x, "grad B": lambda: g.t() @ xa}
 
 
 def main() -> None:
@@ -112,8 +92,7 @@ def main() -> None:
 
             t_base = timed(lambda: base(x, g, w), a.warmup, a.iters)  # noqa: B023 (timed here, in this iteration)
             t_lora = timed(lambda: lora(x, g, w, la, lb, s), a.warmup, a.iters)  # noqa: B023
-            parts = {p: timed(lambda p=p: one(p, x, g, w, la, lb, s), a.warmup, a.iters) for p in PARTS}  # noqa: B023
-            detail.append((name, parts))
+            detail.append((name, {p: timed(f, a.warmup, a.iters) for p, f in parts(x, g, w, la, lb, s).items()}))
             # the skinny products must each read their large operand once: x twice (x A^T, A's gradient), g twice
             # (g B, B's gradient); the addmms read and write the output and the input gradient once more each
             extra_bytes = 2 * (2 * m * k + 2 * m * n + 2 * m * n + 2 * m * k)
@@ -122,8 +101,8 @@ def main() -> None:
             print(f"  {name:6s} {k:6d} {n:6d} {t_base:8.3f} {t_lora:8.3f} {t_lora / t_base - 1:6.1%} {floor:7.3f}")
         print(f"  {'layer':6s} {'':6s} {'':6s} {tb:8.3f} {tl:8.3f} {tl / tb - 1:6.1%} {tf:7.3f}")
         print("  LoRA's products one by one, ms: " + ", ".join(PARTS))
-        for name, parts in detail:
-            print(f"  {name:6s} " + " ".join(f"{parts[p]:8.3f}" for p in PARTS))
+        for name, times in detail:
+            print(f"  {name:6s} " + " ".join(f"{times[p]:8.3f}" for p in PARTS))
 
 
 if __name__ == "__main__":

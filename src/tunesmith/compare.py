@@ -222,7 +222,7 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
         ptes = []
     for path in ptes:
         rungs.append(timed(path.name, score_pte, path, examples, prompts, cfg.max_tokens))
-    for path in _gguf_files(run_dir / "exports", echo):
+    for path in _gguf_files(run_dir / "exports"):
         rungs.append(timed(path.name, score_gguf, path, examples, prompts, cfg.max_tokens))
     for folder, info in _keras_presets(run_dir / "exports", echo):
         rungs.append(timed(f"keras {info['backend']}", score_keras, folder, info, tokenizer, examples, prompts,
@@ -231,13 +231,10 @@ def ladder(cfg, prompts: Sequence[str] | None = None, echo: Callable[[str], None
     return rungs
 
 
-def _gguf_files(exports: Path, echo) -> list[Path]:
-    """Every .gguf under <run>/exports and one folder down (an Ollama export's); a line if gguf is missing."""
-    found = sorted(exports.glob("*.gguf")) + sorted(exports.glob("*/*.gguf")) if exports.is_dir() else []
-    if found and importlib.util.find_spec("gguf") is None:
-        echo(f"  {len(found)} .gguf rung(s) skipped: reading a .gguf needs the 'gguf' package: pip install gguf")
-        return []
-    return found
+def _gguf_files(exports: Path) -> list[Path]:
+    """Every .gguf under <run>/exports and one folder down (an Ollama export's). gguf, which reads them, is one of
+    tunesmith's own dependencies: no rung is skipped for want of it."""
+    return sorted(exports.glob("*.gguf")) + sorted(exports.glob("*/*.gguf")) if exports.is_dir() else []
 
 
 def _keras_presets(exports: Path, echo) -> list[tuple[Path, dict]]:
