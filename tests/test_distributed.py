@@ -188,7 +188,7 @@ def test_a_killed_process_stops_the_run_cleanly_and_it_resumes(tmp_path, corpus,
     _, err = proc.communicate(timeout=120)
     assert time.monotonic() - killed_at < 90, "the other process was left hanging"
     assert proc.returncode != 0
-    assert "process 1 (killed by SIGKILL) of the 2-process run failed; the launcher stopped the other (0)" in err
+    assert "process 1 (killed by SIGKILL) of the 2-process run failed; the other (0) stopped with it" in err
     assert "--resume" in err, err[-3000:]
     assert not _live_trainers(psutil.Process())
 
@@ -205,6 +205,26 @@ def test_a_killed_process_stops_the_run_cleanly_and_it_resumes(tmp_path, corpus,
 
 
 # ------------------------------------------------------------------------------------------ in this process
+
+
+def test_the_failure_is_named_whichever_of_its_consequences_ended_first(tmp_path):
+    """A killed process's peer ends either by the launcher's SIGTERM or on its own (PeerLost) on finding it gone,
+    whichever comes first: a race that a busy machine decides. The line names the killed one either way."""
+    from types import SimpleNamespace as F
+
+    from tunesmith.distributed import failure_message
+    from tunesmith.errors import PeerLost
+
+    killed = "process 1 (killed by SIGKILL) of the 2-process run failed; the other (0) stopped with it; no checkpoint"
+    for peer in (-signal.SIGTERM, PeerLost.exit_code):
+        assert failure_message({0: F(exitcode=peer), 1: F(exitcode=-signal.SIGKILL)}, 2, tmp_path).startswith(killed)
+    assert failure_message({1: F(exitcode=2), 2: F(exitcode=-signal.SIGKILL), 0: F(exitcode=PeerLost.exit_code)},
+                           4, tmp_path).startswith("process 1 (exit code 2), process 2 (killed by SIGKILL) of the "
+                                                   "4-process run failed; the others (0, 3) stopped with them")
+    # nothing but consequences (a collective timed out everywhere): each is named as what it is
+    assert failure_message({0: F(exitcode=PeerLost.exit_code), 1: F(exitcode=PeerLost.exit_code)}, 2,
+                           tmp_path).startswith("process 0 (stopped: another process stopped or did not answer), "
+                                                "process 1 (stopped: another process stopped or did not answer) of")
 
 
 def test_gpus_without_gpus_names_the_cpu_fix():

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tunesmith.errors import TunesmithError
+from tunesmith.errors import PeerLost, TunesmithError
 
 
 def launched() -> bool:
@@ -81,16 +81,21 @@ def failure_message(failures: dict, n: int, run_dir: Path) -> str:
     def how(code: int) -> str:
         if code < 0 and -code in signal.valid_signals():
             return f"killed by {signal.Signals(-code).name}"
+        if code == PeerLost.exit_code:
+            return "stopped: another process stopped or did not answer"
         return f"exit code {code}"
 
-    stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
-    first = sorted(set(failures) - stopped) or sorted(failures)  # all SIGTERM: a stop from outside
+    # Stopped as a consequence: by the launcher (SIGTERM), or on its own on finding a peer gone (PeerLost), whichever
+    # came first; neither is the cause, unless nothing else failed (a stop from outside, a collective's timeout).
+    stopped = {r for r, f in failures.items() if f.exitcode in (-signal.SIGTERM, PeerLost.exit_code)}
+    first = sorted(set(failures) - stopped) or sorted(failures)
     parts = ", ".join(f"process {r} ({how(failures[r].exitcode)})" for r in first)
     others = sorted(set(range(n)) - set(first))
     done = complete_checkpoints(run_dir / "checkpoints")
     after = (f"the newest checkpoint, {done[0][1]}, is intact: run the same command with --resume to continue"
              if done else "no checkpoint was saved yet: run the same command again")
-    stop = f"; the launcher stopped the other{'s' if len(others) > 1 else ''} ({', '.join(map(str, others))})" \
+    stop = f"; the other{'s' if len(others) > 1 else ''} ({', '.join(map(str, others))}) stopped with " \
+        f"{'it' if len(first) == 1 else 'them'}" \
         if others else ""
     return f"{parts} of the {n}-process run failed{stop}; {after}"
 

@@ -26,6 +26,14 @@ class Interrupted(TunesmithError):
         self.exit_code = 128 + signum
 
 
+class PeerLost(TunesmithError):
+    """This process of a several-process run stopped because another one did (or a collective timed out). Its own
+    exit code lets the launcher tell this consequence from the failure that caused it: which of the two ends
+    first is a race."""
+
+    exit_code = 75  # EX_TEMPFAIL: the run continues with --resume
+
+
 def missing_extra(package: str, extra: str, what: str) -> TunesmithError:
     """Error for an optional dependency that is not installed."""
     return TunesmithError(

@@ -73,7 +73,7 @@ from tunesmith.distributed import (
     launched,
     load_full_optimizer_state,
 )
-from tunesmith.errors import Interrupted, TunesmithError
+from tunesmith.errors import Interrupted, PeerLost, TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
 from tunesmith.fused import (
     apply_liger,
@@ -266,7 +266,7 @@ def train(
         except Exception as e:
             if run.accelerator.num_processes == 1 or not is_dist_failure(e):
                 raise
-            raise TunesmithError(_peer_lost(e, run, cfg)) from None
+            raise PeerLost(_peer_lost(e, run, cfg)) from None
     result.main = run.accelerator.is_main_process
     return _finish(cfg, run, result)
 
