@@ -479,11 +479,11 @@ def test_liger_s_chunks_take_the_cuda_chunk_budget(rows, hidden, vocab, const, c
 # ------------------------------------------------------------------------------------------------ fused q/k/v
 
 
-def _qkv_pair(tokenizer, dropout=0.0, targets=("all-linear",)):
-    """Two copies of one tiny Llama with the same LoRA adapters (B not zero): the second with fused q/k/v."""
+def _qkv_pair(tokenizer, dropout=0.0, targets=("all-linear",), rank=4):
+    """Two copies of one tiny Llama with the same LoRA adapters (B not zero), the second to be fused."""
     models = []
     for _ in range(2):
-        model = attach_lora(make_model(tokenizer), rank=4, alpha=8, dropout=dropout, targets=list(targets))
+        model = attach_lora(make_model(tokenizer), rank=rank, alpha=2 * rank, dropout=dropout, targets=list(targets))
         torch.manual_seed(1)
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -780,3 +780,124 @@ def test_lean_layers_pass_over_modules_liger_already_replaced(tokenizer, fake_li
     assert fake_liger["swiglu"] > calls["swiglu"] and fake_liger["rms_norm"] > calls["rms_norm"]
     fused.unlean_layers(model)  # leaves Liger's forwards in place
     assert all("forward" in vars(m) for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP")))
+
+
+# ------------------------------------------------------------------------------------------------ LoRA-aware MLP
+
+
+def _mlp(model, i=0):
+    return model.base_model.model.model.layers[i].mlp
+
+
+@pytest.mark.parametrize("rank", [4, 5])
+def test_the_lora_aware_mlp_gives_peft_s_loss_and_gradients(tokenizer, rank):
+    plain, fast = _qkv_pair(tokenizer, rank=rank)
+    assert fused.fuse_mlp(fast) == 2
+    batch = _batch(tokenizer)
+    ref_loss, ref = _grads(plain, batch)
+    got_loss, got = _grads(fast, batch)
+    assert got_loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert set(got) == set(ref) and len(ref) == 28
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    # under bf16 autocast each path rounds its own way: the fused one no further from fp32 than PEFT's
+    ref_loss16, ref16 = _grads(plain, batch, autocast=torch.bfloat16)
+    got_loss16, got16 = _grads(fast, batch, autocast=torch.bfloat16)
+    assert got_loss16.item() == pytest.approx(ref_loss.item(), rel=1e-2)
+    for name in ref:
+        assert got16[name].dtype == torch.float32
+        err = lambda g: (g - ref[name]).norm() / ref[name].norm()  # noqa: E731 (B023: used in this iteration)
+        assert err(got16[name]) < max(2 * err(ref16[name]), 1e-2), name
+
+
+def test_the_lora_aware_mlp_is_what_runs_and_gives_way_where_it_does_not_apply(tokenizer, monkeypatch):
+    plain, fast = _qkv_pair(tokenizer)
+    fused.fuse_mlp(fast)
+    ids = {k: v for k, v in _batch(tokenizer).items() if k in ("input_ids", "attention_mask")}
+    calls = []
+    gate = _mlp(fast).gate_proj
+    monkeypatch.setattr(gate, "forward", lambda x, *a, **k: calls.append(1) or type(gate).forward(gate, x, *a, **k))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(**ids).logits, plain(**ids).logits, rtol=1e-5, atol=1e-5)
+        assert calls == []  # the function ran, not gate_proj's own forward
+        with fast.disable_adapter(), plain.disable_adapter():  # adapters off: the module's own forward
+            torch.testing.assert_close(fast(**ids).logits, plain(**ids).logits)
+        assert len(calls) == 1
+
+
+def test_the_lora_aware_mlp_leaves_dropout_and_partial_targets_alone_and_undoes_itself(tokenizer):
+    dropped, = _qkv_pair(tokenizer, dropout=0.1)[:1]
+    assert fused.fuse_mlp(dropped) == 0
+    for targets in (("q_proj", "v_proj"), ("gate_proj", "up_proj")):  # down_proj without an adapter: PEFT's layers
+        model, = _qkv_pair(tokenizer, targets=targets)[:1]
+        assert fused.fuse_mlp(model) == 0
+    plain, fast = _qkv_pair(tokenizer)
+    fused.fuse_mlp(fast)
+    fused.unfuse_mlp(fast)
+    assert "forward" not in _mlp(fast).__dict__ and not hasattr(_mlp(fast), "tunesmith_mlp_names")
+    merged, ref = fast.merge_and_unload(), plain.merge_and_unload()
+    for (n, a), (_, b) in zip(merged.state_dict().items(), ref.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, msg=n)
+
+
+KERNEL_CHECK = """
+import torch
+from tunesmith import lora_mlp as L
+torch.manual_seed(0)
+worst = 0.0
+for m, n, r, dt in [(70, 200, 8, torch.float32), (33, 130, 5, torch.float32), (64, 256, 16, torch.float16)]:
+    g0, u0, dh0 = (torch.randn(m, n, dtype=dt) for _ in range(3))
+    xa, dyb = torch.randn(m, 2 * r, dtype=dt), torch.randn(m, r, dtype=dt)
+    bg, bu, ad = torch.randn(n, r, dtype=dt), torch.randn(n, r, dtype=dt), torch.randn(r, n, dtype=dt)
+    pairs = [(L._forward_reference(g0, u0, xa, bg, bu, 0.5, 2.0), L._forward_triton(g0, u0, xa, bg, bu, 0.5, 2.0))]
+    args = (dh0, dyb, ad, g0, u0, xa, bg, bu, 0.5, 2.0, 1.5)
+    pairs += list(zip(L._backward_reference(*args), L._backward_triton(*args), strict=True))
+    for a, b in pairs:
+        assert a.shape == b.shape and a.dtype == b.dtype
+        worst = max(worst, ((a.float() - b.float()).abs().max() / a.float().abs().max()).item())
+print(worst)
+"""
+
+
+def test_the_mlp_kernels_equal_their_reference_under_triton_s_interpreter(tmp_path):
+    """The Triton kernels themselves, run on the CPU by Triton's interpreter (fp32 and fp16: the interpreter's
+    bf16 products are not exact; bf16 is checked on the GPU by bench/lora_mlp.py)."""
+    import os
+    import subprocess
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) < 1e-3
+
+
+def test_train_with_the_lora_aware_mlp_follows_peft_s_and_resumes_exactly(tmp_path, tiny_dir, text_file, capsys):
+    import shutil
+
+    kw = dict(max_steps=6, checkpoint_every=3, lora_dropout=0.0, lora_targets=["all-linear"], fused_mlp="on",
+              lr=5e-3)
+    on = train(tiny_train_config(tmp_path / "on", tiny_dir, text_file, **kw), progress=True)
+    assert "LoRA-aware MLP" in "".join(capsys.readouterr())
+    off = train(tiny_train_config(tmp_path / "off", tiny_dir, text_file, **{**kw, "fused_mlp": "off"}),
+                progress=True)
+    assert "LoRA-aware MLP" not in "".join(capsys.readouterr())
+    assert on.losses == pytest.approx(off.losses, rel=1e-5) and on.losses[-1] < on.losses[0]
+    assert "forward" not in _mlp(on.model).__dict__  # the returned model runs PEFT's layers
+    cut = tmp_path / "cut" / "run"
+    shutil.copytree(on.run_dir, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-000006")
+    shutil.rmtree(cut / on.adapter_dir.name)
+    again = train(tiny_train_config(tmp_path / "cut", tiny_dir, text_file, resume=True, **kw), progress=False)
+    assert again.losses == on.losses
+
+
+@pytest.mark.parametrize(("setting", "device", "triton", "expected"), [
+    ("auto", "cuda", True, True), ("auto", "cuda", False, False), ("auto", "cpu", True, False),
+    ("auto", "mps", True, False), ("on", "cpu", False, True), ("off", "cuda", True, False)])
+def test_the_lora_aware_mlp_is_chosen_on_cuda_with_triton(setting, device, triton, expected, monkeypatch):
+    from tunesmith import train as T
+    from tunesmith.config import TrainConfig
+
+    monkeypatch.setattr(T, "triton_available", lambda: triton)
+    assert T.uses_fused_mlp(TrainConfig(fused_mlp=setting), device) is expected

@@ -15,6 +15,8 @@
 - `fuse_qkv`: a Llama attention's q, k and v projections as one product over their joined frozen weights, with
   their LoRA down-projections as one more and the up-projections added in as one block-diagonal addmm (dropout 0).
   Plain PyTorch, so every device; in compiled layers the compiler derives its backward.
+- `fuse_mlp`: a Llama MLP with LoRA on gate, up and down as one autograd function whose SwiGLU kernel makes the
+  gate and up rank-r terms in registers instead of as full-size tensors (`lora_mlp`; Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -419,6 +421,87 @@ def unfuse_qkv(model: torch.nn.Module) -> torch.nn.Module:
         del module.tunesmith_qkv_weight, module.tunesmith_qkv_sizes, module.tunesmith_qkv_names
         if "forward" in module.__dict__:
             del module.forward
+    return model
+
+
+# ------------------------------------------------------------------------------------------------ LoRA-aware MLP
+
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mlp_parts(module) -> list[str] | None:
+    """The adapters' names if `module` is a Llama-family SiLU-gated MLP whose gate, up and down projections are all
+    plain LoRA layers at dropout 0 (`_plain_lora`) of one rank over bias-free bases of one dtype; else None."""
+    if not all(hasattr(module, p) for p in MLP) or getattr(module.config, "hidden_act", None) != "silu":
+        return None
+    layers = [getattr(module, p) for p in MLP]
+    names = [_plain_lora(layer) for layer in layers]
+    if any(n is None for n in names):
+        return None
+    if len({layer.lora_A[n].weight.shape[0] for layer, n in zip(layers, names, strict=True)}) != 1:
+        return None
+    if len({(layer.base_layer.weight.dtype, layer.base_layer.weight.device) for layer in layers}) != 1:
+        return None
+    return names
+
+
+def _fused_mlp_forward(self, x):
+    """The MLP through `lora_mlp.LoraMLPFunction` (a SwiGLU kernel that makes the gate and up LoRA terms itself);
+    anything else -- adapters switched off or merged since, mixed dtypes outside autocast -- goes through the
+    module's own forward."""
+    from tunesmith.lora_mlp import LoraMLPFunction
+
+    names = _mlp_parts(self)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    elif len({x.dtype} | {p.dtype for p in self.parameters()}) == 1:
+        dtype = x.dtype
+    else:
+        names = None
+    if names != self.tunesmith_mlp_names:
+        return type(self).forward(self, x)
+    gate, up, down = (getattr(self, p) for p in MLP)
+    ng, nu, nd = names
+    agu = torch.cat([gate.lora_A[ng].weight, up.lora_A[nu].weight]).to(dtype)
+    y = LoraMLPFunction.apply(x.reshape(-1, x.shape[-1]).to(dtype), gate.base_layer.weight.to(dtype),
+                              up.base_layer.weight.to(dtype), down.base_layer.weight.to(dtype), agu,
+                              gate.lora_B[ng].weight.to(dtype), up.lora_B[nu].weight.to(dtype),
+                              down.lora_A[nd].weight.to(dtype), down.lora_B[nd].weight.to(dtype),
+                              float(gate.scaling[ng]), float(up.scaling[nu]), float(down.scaling[nd]))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def fuse_mlp(model: torch.nn.Module) -> int:
+    """Give each Llama-family MLP with plain LoRA on gate, up and down (`_mlp_parts`) the LoRA-aware forward.
+    Returns how many MLPs; `unfuse_mlp` undoes it."""
+    from types import MethodType
+
+    count = 0
+    for module in model.modules():
+        names = _mlp_parts(module) if type(module).__name__.endswith("MLP") else None
+        if names is None:
+            continue
+        module.tunesmith_mlp_names = names
+        module.forward = MethodType(_fused_mlp_forward, module)
+        count += 1
+    return count
+
+
+def triton_available() -> bool:
+    """Whether Triton is importable (the LoRA-aware MLP's CUDA kernels), without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def unfuse_mlp(model: torch.nn.Module) -> torch.nn.Module:
+    """What `fuse_mlp` did, undone: the module's own forward."""
+    for module in model.modules():
+        if "tunesmith_mlp_names" in vars(module):
+            del module.tunesmith_mlp_names
+            if "forward" in module.__dict__:
+                del module.forward
     return model
 
 

@@ -81,6 +81,7 @@ from tunesmith.fused import (
     compile_layers,
     eager_layers,
     fuse_lora,
+    fuse_mlp,
     fuse_qkv,
     lean_layers,
     liger_available,
@@ -88,7 +89,9 @@ from tunesmith.fused import (
     recomputing,
     supervised_rows,
     supports_chunked_loss,
+    triton_available,
     uncompile_layers,
+    unfuse_mlp,
     unfuse_qkv,
     unlean_layers,
 )
@@ -387,6 +390,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
         kernels += ["DoRA"] if cfg.fine_tune_type == "dora" else []
         if cfg.fused_qkv and cfg.fine_tune_type == "lora" and not fsdp and fuse_qkv(model):
             kernels.append("fused q/k/v")
+        if uses_fused_mlp(cfg, device.type) and cfg.fine_tune_type == "lora" and not fsdp and fuse_mlp(model):
+            kernels.append("LoRA-aware MLP")
         fuse = cfg.fused_lora == "on" or (cfg.fused_lora == "auto" and not compiled)
         if fuse and cfg.fine_tune_type == "lora" and not fsdp and fuse_lora(model):
             kernels.append("fused LoRA")
@@ -624,7 +629,7 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
             save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights,
                          base_codes=base_codes(model) if cfg.base_calibration else None)
     acc.wait_for_everyone()
-    result.model = unlean_layers(unfuse_qkv(uncompile_layers(model)))
+    result.model = unlean_layers(unfuse_mlp(unfuse_qkv(uncompile_layers(model))))
     return result
 
 
@@ -686,6 +691,12 @@ def uses_liger_loss(cfg: TrainConfig, device_type: str, fsdp: bool, model) -> bo
     outside the decoder layers, so CUDA graphs do not exclude it."""
     return (cfg.fused_loss and cfg.liger and device_type == "cuda" and not fsdp and supports_chunked_loss(model)
             and liger_available())
+
+
+def uses_fused_mlp(cfg: TrainConfig, device_type: str) -> bool:
+    """The LoRA-aware MLP (fused.fuse_mlp): its Triton kernels on CUDA under auto; elsewhere only when asked for,
+    through their plain-PyTorch reference (fp32 inside: for checking, slower than PEFT's layers)."""
+    return cfg.fused_mlp == "on" or (cfg.fused_mlp == "auto" and device_type == "cuda" and triton_available())
 
 
 def _kernels(cfg: TrainConfig, device: torch.device, model, say, liger: bool, liger_loss: bool = False) -> list[str]:

@@ -1,0 +1,181 @@
+"""One Llama MLP with LoRA on gate, up and down: PEFT's layers against tunesmith's LoRA-aware MLP (CUDA).
+
+    python bench/lora_mlp.py [--rows llama-1b,llama-8b] [--rank 16] [--eager]
+
+For each row, a transformers LlamaMLP of the row's shape in bf16 with PEFT LoRA (dropout 0, B drawn non-zero so
+every rank-r term counts) on gate_proj, up_proj and down_proj, compiled as the trainer compiles its layers
+(activation memory budget 0.9), forward + backward over a micro-batch of the row's tokens: PEFT's own path, and the
+same module after `fused.fuse_mlp`. Prints the median time (CUDA events), the peak memory above the weights, and
+how far the fused output and LoRA gradients are from PEFT's (relative to each tensor's largest value), and the
+same for both against an fp32 copy, so the bf16 rounding of either path is seen next to the other's. Then the two
+kernels alone against the bytes they must move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+
+import torch
+
+SHAPES = {"llama-1b": (2048, 8192, 8 * 2048), "llama-8b": (4096, 14336, 4 * 2048)}  # hidden, intermediate, tokens
+
+
+def timed(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def build(hidden: int, inter: int, rank: int, dtype: torch.dtype):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
+
+    class Holder(torch.nn.Module):  # PEFT wraps a model, not a bare MLP
+        def __init__(self):
+            super().__init__()
+            self.mlp = LlamaMLP(cfg)
+
+        def forward(self, x):
+            return self.mlp(x)
+
+    torch.manual_seed(0)
+    model = Holder()
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                             target_modules=["gate_proj", "up_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model.to("cuda", dtype)
+
+
+SWEEP = [(bm, bn, w) for bm, bn in ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128), (32, 256), (64, 256))
+         for w in (4, 8)]
+
+
+def profile(fn, name: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(f"  {name}: CUDA kernels over 3 forward + backward passes")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+
+
+def lora_grads(model) -> dict:
+    return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def step(model, x, gy):
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    y.backward(gy)
+    return y
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="llama-1b,llama-8b")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--eager", action="store_true", help="do not compile the modules")
+    ap.add_argument("--sweep", action="store_true", help="time the kernels at several tile shapes")
+    ap.add_argument("--profile", action="store_true", help="CUDA kernel times of one forward + backward of each")
+    a = ap.parse_args()
+    import torch._functorch.config as functorch_config
+
+    from tunesmith import lora_mlp
+    from tunesmith.fused import LEAN_BUDGET, fuse_mlp
+
+    for row in a.rows.split(","):
+        hidden, inter, m = SHAPES[row]
+        peft = build(hidden, inter, a.rank, torch.bfloat16)
+        ref = copy.deepcopy(peft).float()
+        fused = copy.deepcopy(peft)
+        assert fuse_mlp(fused) == 1
+        torch.manual_seed(1)
+        x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+        y_ref = step(ref, x.float(), gy.float())
+        g_ref = lora_grads(ref)
+        del ref
+        results = {}
+        for name, model in (("PEFT", peft), ("fused", fused)):
+            run = model if a.eager else torch.compile(model)
+            with functorch_config.patch(activation_memory_budget=LEAN_BUDGET):
+                y = step(run, x, gy)
+                grads = lora_grads(model)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                ms = timed(lambda run=run, x=x, gy=gy: step(run, x, gy), a.warmup, a.iters)
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                if a.profile:
+                    profile(lambda run=run, x=x, gy=gy: step(run, x, gy), name)
+            results[name] = (y.detach(), grads, ms, peak)
+        print(f"{row}: hidden {hidden}, intermediate {inter}, {m} tokens, LoRA r{a.rank} on gate/up/down, bf16, "
+              f"{'eager' if a.eager else 'compiled'}; forward + backward")
+        for name, (y, grads, ms, peak) in results.items():
+            worst = max(rel(grads[k], g_ref[k]) for k in g_ref)
+            print(f"  {name:6s} {ms:8.3f} ms  peak above inputs {peak:6.2f} GiB  vs fp32: output {rel(y, y_ref):.2e}, "
+                  f"LoRA gradients (worst) {worst:.2e}")
+        (y0, g0, t0, _), (y1, g1, t1, _) = results["PEFT"], results["fused"]
+        print(f"  fused / PEFT time {t1 / t0:.3f}; fused vs PEFT: output {rel(y1, y0):.2e}, LoRA gradients (worst) "
+              f"{max(rel(g1[k], g0[k]) for k in g0):.2e}")
+
+        # the kernels alone: the forward reads g0 and u0 and writes h; the backward reads dh, g0 and u0 and writes
+        # dg, du and h (bf16, 2 bytes each)
+        r = a.rank
+        g0, u0 = (torch.randn(m, inter, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        xa = torch.randn(m, 2 * r, device="cuda", dtype=torch.bfloat16)
+        bg, bu = (torch.randn(inter, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        dh = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
+        dyb = torch.randn(m, r, device="cuda", dtype=torch.bfloat16)
+        ad = torch.randn(r, inter, device="cuda", dtype=torch.bfloat16)
+        big = m * inter * 2
+        fwd = lora_mlp.lora_swiglu
+        bwd = lora_mlp.lora_swiglu_backward
+        args = (g0, u0, xa, bg, bu, 0.5, 2.0)
+        bargs = (dh, dyb, ad, g0, u0, xa, bg, bu, 0.5, 2.0, 1.5)
+        tf = timed(lambda args=args, fwd=fwd: fwd(*args), a.warmup, a.iters)
+        tb = timed(lambda bargs=bargs, bwd=bwd: bwd(*bargs), a.warmup, a.iters)
+        h0, h1 = lora_mlp._forward_reference(*args), fwd(*args)
+        b0, b1 = lora_mlp._backward_reference(*bargs), bwd(*bargs)
+        print(f"  kernels: forward {tf:.3f} ms ({3 * big / tf / 1e9:.2f} TB/s), backward {tb:.3f} ms "
+              f"({6 * big / tb / 1e9:.2f} TB/s); against the fp32 reference: h {rel(h1, h0):.1e}, "
+              f"dg {rel(b1[0], b0[0]):.1e}, du {rel(b1[1], b0[1]):.1e}, h {rel(b1[2], b0[2]):.1e}")
+        if a.sweep:
+            for tiles in SWEEP:
+                f = timed(lambda t=tiles, args=args: lora_mlp._forward_triton(*args, tiles=t), a.warmup, a.iters)
+                b = timed(lambda t=tiles, bargs=bargs: lora_mlp._backward_triton(*bargs, tiles=t), a.warmup,
+                          a.iters)
+                print(f"  tiles {tiles}: forward {f:.3f} ms ({3 * big / f / 1e9:.2f} TB/s), backward {b:.3f} ms "
+                      f"({6 * big / b / 1e9:.2f} TB/s)")
+        del peft, fused, results
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""A Llama MLP with LoRA on gate, up and down projections as one autograd function whose SwiGLU knows about LoRA.
+
+PEFT's path (compiled or not) writes each rank-r term s x A^T B^T of gate and up as a full [tokens, intermediate]
+tensor, reads it back to add it to the base product, and keeps the sums for the backward pass; backward, the down
+projection's rank-r term g B_d A_d is another full-size tensor added into the SwiGLU's input gradient. Here one
+kernel computes
+h = SiLU(g0 + s_g xa_g B_g^T) * (u0 + s_u xa_u B_u^T) tile by tile, the rank-r terms made in registers from the
+[tokens, r] down-projections (xa) and never written. Backward, one kernel rebuilds g and u the same way from the
+saved base products, adds the down projection's rank-r term into the incoming gradient in registers, and writes
+the gate and up gradients, from which the input gradient and the LoRA gradients are products as usual. Nothing is accumulated across tiles (no atomics): the same
+inputs give the same bits, as exact resume needs.
+
+The kernels are Triton, on CUDA. The same two operations in plain PyTorch (fp32 inside, as the kernels compute)
+serve every other device, so the function's algebra is tested on the CPU; the Triton kernels themselves are
+checked against them by the tests under Triton's interpreter where Triton is installed, and on the GPU by
+bench/lora_mlp.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheels of torch come without Triton; the PyTorch reference serves there
+    triton = None
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+# ------------------------------------------------------------------------------------------------ the reference
+
+
+def _swiglu_reference(g0: torch.Tensor, u0: torch.Tensor, xa: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor,
+                      sg: float, su: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """g and u in fp32: the base products plus their rank-r terms."""
+    r = bg.shape[1]
+    f = torch.float32
+    g = torch.addmm(g0.to(f), xa[:, :r].to(f), bg.to(f).t(), alpha=sg)  # never in place: g0 and u0 are kept
+    u = torch.addmm(u0.to(f), xa[:, r:].to(f), bu.to(f).t(), alpha=su)
+    return g, u
+
+
+def _forward_reference(g0, u0, xa, bg, bu, sg, su):
+    g, u = _swiglu_reference(g0, u0, xa, bg, bu, sg, su)
+    return (torch.nn.functional.silu(g) * u).to(g0.dtype)
+
+
+def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
+    g, u = _swiglu_reference(g0, u0, xa, bg, bu, sg, su)
+    dh = torch.addmm(dh0.to(torch.float32), dyb.to(torch.float32), ad.to(torch.float32), alpha=sd)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dg = dh * u * sig * (1 + g * (1 - sig))
+    dt = g0.dtype
+    return dg.to(dt), (dh * silu).to(dt), (silu * u).to(dt)
+
+
+# ------------------------------------------------------------------------------------------------ Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_fwd_kernel(G, U, XA, BG, BU, H, M, N, stride_g, stride_u, stride_xa, stride_h, sg, su,
+                           R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, RP)
+        in_m, in_n, in_k = rm < M, rn < N, rk < R
+        tile = in_m[:, None] & in_n[None, :]
+        rows = rm[:, None].to(tl.int64)
+        xa_g = tl.load(XA + rows * stride_xa + rk[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
+        xa_u = tl.load(XA + rows * stride_xa + R + rk[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
+        b_mask = in_k[:, None] & in_n[None, :]
+        bg = tl.load(BG + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)  # B_g^T tile: [RP, BLOCK_N]
+        bu = tl.load(BU + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
+        g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+        u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+        g += sg * tl.dot(xa_g, bg)
+        u += su * tl.dot(xa_u, bu)
+        h = g * tl.sigmoid(g) * u
+        tl.store(H + rows * stride_h + rn[None, :], h.to(H.dtype.element_ty), mask=tile)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, M, N, stride_dh, stride_dyb, stride_g,
+                           stride_u, stride_xa, stride_dg, stride_du, stride_h, sg, su, sd,
+                           R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, RP)
+        in_m, in_n, in_k = rm < M, rn < N, rk < R
+        tile = in_m[:, None] & in_n[None, :]
+        rows = rm[:, None].to(tl.int64)
+        a_mask = in_m[:, None] & in_k[None, :]
+        b_mask = in_k[:, None] & in_n[None, :]
+        xa_g = tl.load(XA + rows * stride_xa + rk[None, :], mask=a_mask, other=0.0)
+        xa_u = tl.load(XA + rows * stride_xa + R + rk[None, :], mask=a_mask, other=0.0)
+        dyb = tl.load(DYB + rows * stride_dyb + rk[None, :], mask=a_mask, other=0.0)
+        bg = tl.load(BG + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
+        bu = tl.load(BU + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
+        ad = tl.load(AD + rk[:, None] * N + rn[None, :], mask=b_mask, other=0.0)  # A_d tile: [RP, BLOCK_N]
+        g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+        u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+        dh = tl.load(DH + rows * stride_dh + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+        g += sg * tl.dot(xa_g, bg)
+        u += su * tl.dot(xa_u, bu)
+        dh += sd * tl.dot(dyb, ad)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+        tl.store(DG + rows * stride_dg + rn[None, :], dg.to(DG.dtype.element_ty), mask=tile)
+        tl.store(DU + rows * stride_du + rn[None, :], (dh * silu).to(DU.dtype.element_ty), mask=tile)
+        tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
+
+
+TILES = {"forward": (32, 128, 8), "backward": (32, 128, 8)}  # BLOCK_M, BLOCK_N, warps (bench/lora_mlp.py --sweep)
+
+
+def _rank_pad(r: int) -> int:
+    return max(16, 1 << (r - 1).bit_length())  # tl.dot wants an inner dimension of at least 16
+
+
+def _grid(m: int, n: int, bm: int, bn: int) -> tuple[int, int]:
+    return (m + bm - 1) // bm, (n + bn - 1) // bn
+
+
+def _forward_triton(g0, u0, xa, bg, bu, sg, su, tiles=None):
+    (m, n), r = g0.shape, bg.shape[1]
+    bm, bn, warps = tiles or TILES["forward"]
+    h = g0.new_empty(m, n)
+    _swiglu_fwd_kernel[_grid(m, n, bm, bn)](g0, u0, xa, bg, bu, h, m, n, g0.stride(0), u0.stride(0), xa.stride(0),
+                                            h.stride(0), sg, su, R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn,
+                                            num_warps=warps)
+    return h
+
+
+def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
+    (m, n), r = g0.shape, bg.shape[1]
+    bm, bn, warps = tiles or TILES["backward"]
+    dg, du, h = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n)
+    _swiglu_bwd_kernel[_grid(m, n, bm, bn)](dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, m, n, dh0.stride(0),
+                                            dyb.stride(0), g0.stride(0), u0.stride(0), xa.stride(0), dg.stride(0),
+                                            du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
+                                            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return dg, du, h
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+# ------------------------------------------------------------------------------------------------ the ops
+# Custom ops, so torch.compile treats each kernel as one opaque call (with the shapes below) inside the compiled
+# layer and CUDA graphs capture it like any other kernel.
+
+
+@torch.library.custom_op("tunesmith::lora_swiglu", mutates_args=())
+def lora_swiglu(g0: torch.Tensor, u0: torch.Tensor, xa: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor,
+                sg: float, su: float) -> torch.Tensor:
+    """SiLU(g) * u with g = g0 + sg xa[:, :r] bg^T and u = u0 + su xa[:, r:] bu^T ([m, n])."""
+    if _use_triton(g0):
+        return _forward_triton(g0.contiguous(), u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(),
+                               sg, su)
+    return _forward_reference(g0, u0, xa, bg, bu, sg, su)
+
+
+@lora_swiglu.register_fake
+def _(g0, u0, xa, bg, bu, sg, su):
+    return g0.new_empty(g0.shape)
+
+
+@torch.library.custom_op("tunesmith::lora_swiglu_backward", mutates_args=())
+def lora_swiglu_backward(dh0: torch.Tensor, dyb: torch.Tensor, ad: torch.Tensor, g0: torch.Tensor, u0: torch.Tensor,
+                         xa: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor, sg: float, su: float,
+                         sd: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """With dh = dh0 + sd dyb ad (the SwiGLU output's gradient, the down projection's rank-r term included): the
+    gradients of g and u ([m, n] each), and the SwiGLU output h itself, which A_d's gradient needs."""
+    if _use_triton(g0):
+        return _backward_triton(dh0.contiguous(), dyb.contiguous(), ad.contiguous(), g0.contiguous(),
+                                u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(), sg, su, sd)
+    return _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
+
+
+@lora_swiglu_backward.register_fake
+def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
+    return g0.new_empty(g0.shape), g0.new_empty(g0.shape), g0.new_empty(g0.shape)
+
+
+# ------------------------------------------------------------------------------------------------ the MLP
+
+
+class LoraMLPFunction(torch.autograd.Function):
+    """y = down(SiLU(gate(x)) * up(x)) for frozen bias-free gate/up/down weights, each with a LoRA adapter at
+    dropout 0: gate(x) = x W_g^T + s_g (x A_g^T) B_g^T, and so on. Inputs in the compute dtype; `agu` is
+    [A_g; A_u], so x is read once for both down-projections. Keeps x, the base products of gate and up, the
+    [tokens, r] down-projections and the weights: not the SwiGLU output (the backward kernel rebuilds it) nor any
+    sum with a rank-r term."""
+
+    @staticmethod
+    def forward(ctx, x, wg, wu, wd, agu, bg, bu, ad, bd, sg: float, su: float, sd: float):
+        g0, u0 = x @ wg.t(), x @ wu.t()
+        xa = x @ agu.t()
+        h = lora_swiglu(g0, u0, xa, bg, bu, sg, su)
+        ha = h @ ad.t()
+        y = torch.addmm(h @ wd.t(), ha, bd.t(), alpha=sd)
+        ctx.save_for_backward(x, g0, u0, xa, ha, wg, wu, wd, agu, bg, bu, ad, bd)
+        ctx.scales = (sg, su, sd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, g0, u0, xa, ha, wg, wu, wd, agu, bg, bu, ad, bd = ctx.saved_tensors
+        sg, su, sd = ctx.scales
+        r = bg.shape[1]
+        dy = dy.contiguous()
+        dyb = dy @ bd
+        dbd = (dy.t() @ ha).mul_(sd)
+        dg, du, h = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
+        dad = (dyb.t() @ h).mul_(sd)
+        dxa = torch.cat([(dg @ bg).mul_(sg), (du @ bu).mul_(su)], dim=1)  # the gradient of xa, [tokens, 2r]
+        dbg = (dg.t() @ xa[:, :r]).mul_(sg)
+        dbu = (du.t() @ xa[:, r:]).mul_(su)
+        dx = torch.addmm(torch.addmm(dg @ wg, du, wu), dxa, agu)
+        dagu = dxa.t() @ x
+        return dx, None, None, None, dagu, dbg, dbu, dad, dbd, None, None, None
