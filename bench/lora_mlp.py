@@ -61,7 +61,7 @@ def build(hidden: int, inter: int, rank: int, dtype: torch.dtype):
     return model.to("cuda", dtype)
 
 
-SWEEP = [(bm, bn, w) for bm, bn in ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128), (32, 256), (64, 256))
+SWEEP = [(bm, bn, w) for bm, bn in ((16, 128), (16, 256), (32, 64), (32, 128), (32, 256), (64, 64), (64, 128))
          for w in (4, 8)]
 
 
@@ -109,6 +109,7 @@ def main() -> None:
     from tunesmith import lora_mlp
     from tunesmith.fused import LEAN_BUDGET, fuse_mlp
 
+    sums = {}  # tiles -> summed forward, backward times over the rows
     for row in a.rows.split(","):
         hidden, inter, m = SHAPES[row]
         peft = build(hidden, inter, a.rank, torch.bfloat16)
@@ -157,15 +158,16 @@ def main() -> None:
         big = m * inter * 2
         fwd = lora_mlp.lora_swiglu
         bwd = lora_mlp.lora_swiglu_backward
-        args = (g0, u0, xa, bg, bu, 0.5, 2.0)
+        args = (g0, u0, xa, bg, bu, ad, 0.5, 2.0)
         bargs = (dh, dyb, ad, g0, u0, xa, bg, bu, 0.5, 2.0, 1.5)
         tf = timed(lambda args=args, fwd=fwd: fwd(*args), a.warmup, a.iters)
         tb = timed(lambda bargs=bargs, bwd=bwd: bwd(*bargs), a.warmup, a.iters)
         h0, h1 = lora_mlp._forward_reference(*args), fwd(*args)
         b0, b1 = lora_mlp._backward_reference(*bargs), bwd(*bargs)
         print(f"  kernels: forward {tf:.3f} ms ({3 * big / tf / 1e9:.2f} TB/s), backward {tb:.3f} ms "
-              f"({6 * big / tb / 1e9:.2f} TB/s); against the fp32 reference: h {rel(h1, h0):.1e}, "
-              f"dg {rel(b1[0], b0[0]):.1e}, du {rel(b1[1], b0[1]):.1e}, h {rel(b1[2], b0[2]):.1e}")
+              f"({6 * big / tb / 1e9:.2f} TB/s); against the fp32 reference: h {rel(h1[0], h0[0]):.1e}, "
+              f"h A_d^T {rel(h1[1], h0[1]):.1e}, dg {rel(b1[0], b0[0]):.1e}, du {rel(b1[1], b0[1]):.1e}, "
+              f"h {rel(b1[2], b0[2]):.1e}, dxa {rel(b1[3], b0[3]):.1e}")
         if a.sweep:
             for tiles in SWEEP:
                 f = timed(lambda t=tiles, args=args: lora_mlp._forward_triton(*args, tiles=t), a.warmup, a.iters)
@@ -173,8 +175,12 @@ def main() -> None:
                           a.iters)
                 print(f"  tiles {tiles}: forward {f:.3f} ms ({3 * big / f / 1e9:.2f} TB/s), backward {b:.3f} ms "
                       f"({6 * big / b / 1e9:.2f} TB/s)")
+                sums[tiles] = [x + y for x, y in zip(sums.get(tiles, (0.0, 0.0)), (f, b), strict=True)]
         del peft, fused, results
         torch.cuda.empty_cache()
+    if sums:
+        best = {k: min(sums, key=lambda t, i=i: sums[t][i]) for i, k in enumerate(("forward", "backward"))}
+        print(f"fastest over the rows: TILES = {best}")
 
 
 if __name__ == "__main__":

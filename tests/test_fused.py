@@ -804,10 +804,10 @@ def test_the_lora_aware_mlp_gives_peft_s_loss_and_gradients(tokenizer, rank):
     ref_loss16, ref16 = _grads(plain, batch, autocast=torch.bfloat16)
     got_loss16, got16 = _grads(fast, batch, autocast=torch.bfloat16)
     assert got_loss16.item() == pytest.approx(ref_loss.item(), rel=1e-2)
-    for name in ref:
+    for name, want in ref.items():
         assert got16[name].dtype == torch.float32
-        err = lambda g: (g - ref[name]).norm() / ref[name].norm()  # noqa: E731 (B023: used in this iteration)
-        assert err(got16[name]) < max(2 * err(ref16[name]), 1e-2), name
+        err16, ref_err16 = ((g[name] - want).norm() / want.norm() for g in (got16, ref16))
+        assert err16 < max(2 * ref_err16, 1e-2), name
 
 
 def test_the_lora_aware_mlp_is_what_runs_and_gives_way_where_it_does_not_apply(tokenizer, monkeypatch):
@@ -841,17 +841,21 @@ def test_the_lora_aware_mlp_leaves_dropout_and_partial_targets_alone_and_undoes_
 
 
 KERNEL_CHECK = """
+import itertools
 import torch
 from tunesmith import lora_mlp as L
 torch.manual_seed(0)
 worst = 0.0
-for m, n, r, dt in [(70, 200, 8, torch.float32), (33, 130, 5, torch.float32), (64, 256, 16, torch.float16)]:
+shapes = [(70, 200, 8, torch.float32), (33, 130, 5, torch.float32), (64, 256, 16, torch.float16)]
+tiles = [(32, 256, 4), (16, 64, 4)]  # a row's width in one tile, and in several (the sums run across them)
+for (m, n, r, dt), t in itertools.product(shapes, tiles):
     g0, u0, dh0 = (torch.randn(m, n, dtype=dt) for _ in range(3))
     xa, dyb = torch.randn(m, 2 * r, dtype=dt), torch.randn(m, r, dtype=dt)
     bg, bu, ad = torch.randn(n, r, dtype=dt), torch.randn(n, r, dtype=dt), torch.randn(r, n, dtype=dt)
-    pairs = [(L._forward_reference(g0, u0, xa, bg, bu, 0.5, 2.0), L._forward_triton(g0, u0, xa, bg, bu, 0.5, 2.0))]
+    args = (g0, u0, xa, bg, bu, ad, 0.5, 2.0)
+    pairs = list(zip(L._forward_reference(*args), L._forward_triton(*args, tiles=t), strict=True))
     args = (dh0, dyb, ad, g0, u0, xa, bg, bu, 0.5, 2.0, 1.5)
-    pairs += list(zip(L._backward_reference(*args), L._backward_triton(*args), strict=True))
+    pairs += list(zip(L._backward_reference(*args), L._backward_triton(*args, tiles=t), strict=True))
     for a, b in pairs:
         assert a.shape == b.shape and a.dtype == b.dtype
         worst = max(worst, ((a.float() - b.float()).abs().max() / a.float().abs().max()).item())

@@ -432,7 +432,7 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 def _mlp_parts(module) -> list[str] | None:
     """The adapters' names if `module` is a Llama-family SiLU-gated MLP whose gate, up and down projections are all
     plain LoRA layers at dropout 0 (`_plain_lora`) of one rank over bias-free bases of one dtype; else None."""
-    if not all(hasattr(module, p) for p in MLP) or getattr(module.config, "hidden_act", None) != "silu":
+    if not all(hasattr(module, p) for p in MLP) or getattr(getattr(module, "config", None), "hidden_act", None) != "silu":
         return None
     layers = [getattr(module, p) for p in MLP]
     names = [_plain_lora(layer) for layer in layers]

@@ -1,14 +1,15 @@
 """A Llama MLP with LoRA on gate, up and down projections as one autograd function whose SwiGLU knows about LoRA.
 
-PEFT's path (compiled or not) writes each rank-r term s x A^T B^T of gate and up as a full [tokens, intermediate]
-tensor, reads it back to add it to the base product, and keeps the sums for the backward pass; backward, the down
-projection's rank-r term g B_d A_d is another full-size tensor added into the SwiGLU's input gradient. Here one
-kernel computes
-h = SiLU(g0 + s_g xa_g B_g^T) * (u0 + s_u xa_u B_u^T) tile by tile, the rank-r terms made in registers from the
-[tokens, r] down-projections (xa) and never written. Backward, one kernel rebuilds g and u the same way from the
-saved base products, adds the down projection's rank-r term into the incoming gradient in registers, and writes
-the gate and up gradients, from which the input gradient and the LoRA gradients are products as usual. Nothing is accumulated across tiles (no atomics): the same
-inputs give the same bits, as exact resume needs.
+PEFT's path (compiled or not) writes each rank-r term s (x A^T) B^T of gate and up as a full [tokens, intermediate]
+tensor and reads it back to add it to the base product; the down projection's LoRA reads the SwiGLU output once
+more for h A_d^T; backward, its rank-r term (g B_d) A_d is one more full-size tensor added into the SwiGLU's input
+gradient, and dg B_g, du B_u read the gate and up gradients again. Here one kernel computes
+h = SiLU(g0 + s_g xa_g B_g^T) * (u0 + s_u xa_u B_u^T) with the rank-r terms made in registers from the [tokens, r]
+down-projections xa (never written), and h A_d^T from the same registers. Backward, one kernel rebuilds g and u the
+same way from the saved base products, adds the down projection's rank-r term into the incoming gradient in
+registers, writes the gate and up gradients, and sums dg B_g and du B_u as it goes. Each program owns a block of
+rows and walks their whole width, so those sums stay in its registers: no partial sums shared between programs, no
+atomics, the same bits from the same inputs.
 
 The kernels are Triton, on CUDA. The same two operations in plain PyTorch (fp32 inside, as the kernels compute)
 serve every other device, so the function's algebra is tested on the CPU; the Triton kernels themselves are
@@ -44,9 +45,10 @@ def _swiglu_reference(g0: torch.Tensor, u0: torch.Tensor, xa: torch.Tensor, bg: 
     return g, u
 
 
-def _forward_reference(g0, u0, xa, bg, bu, sg, su):
+def _forward_reference(g0, u0, xa, bg, bu, ad, sg, su):
     g, u = _swiglu_reference(g0, u0, xa, bg, bu, sg, su)
-    return (torch.nn.functional.silu(g) * u).to(g0.dtype)
+    h = (torch.nn.functional.silu(g) * u).to(g0.dtype)
+    return h, (h.to(torch.float32) @ ad.to(torch.float32).t()).to(g0.dtype)
 
 
 def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
@@ -54,98 +56,115 @@ def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
     dh = torch.addmm(dh0.to(torch.float32), dyb.to(torch.float32), ad.to(torch.float32), alpha=sd)
     sig = torch.sigmoid(g)
     silu = g * sig
-    dg = dh * u * sig * (1 + g * (1 - sig))
-    dt = g0.dtype
-    return dg.to(dt), (dh * silu).to(dt), (silu * u).to(dt)
+    dt, f = g0.dtype, torch.float32
+    dg = (dh * u * sig * (1 + g * (1 - sig))).to(dt)
+    du = (dh * silu).to(dt)
+    dxa = torch.cat([dg.to(f) @ bg.to(f) * sg, du.to(f) @ bu.to(f) * su], dim=1)
+    return dg, du, (silu * u).to(dt), dxa.to(dt)
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels
+# Each program owns BLOCK_M rows and walks their whole width in BLOCK_N columns, so the sums over the width (h A_d^T
+# forward, dg B_g and du B_u backward) stay in its registers.
 
 if triton is not None:
 
     @triton.jit
-    def _swiglu_fwd_kernel(G, U, XA, BG, BU, H, M, N, stride_g, stride_u, stride_xa, stride_h, sg, su,
+    def _swiglu_fwd_kernel(G, U, XA, BG, BU, AD, H, HA, M, N, stride_g, stride_u, stride_xa, stride_h, sg, su,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, RP)
-        in_m, in_n, in_k = rm < M, rn < N, rk < R
-        tile = in_m[:, None] & in_n[None, :]
+        in_m, in_k = rm < M, rk < R
         rows = rm[:, None].to(tl.int64)
-        xa_g = tl.load(XA + rows * stride_xa + rk[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
-        xa_u = tl.load(XA + rows * stride_xa + R + rk[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
-        b_mask = in_k[:, None] & in_n[None, :]
-        bg = tl.load(BG + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)  # B_g^T tile: [RP, BLOCK_N]
-        bu = tl.load(BU + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
-        g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-        u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-        g += sg * tl.dot(xa_g, bg)
-        u += su * tl.dot(xa_u, bu)
-        h = g * tl.sigmoid(g) * u
-        tl.store(H + rows * stride_h + rn[None, :], h.to(H.dtype.element_ty), mask=tile)
+        a_mask = in_m[:, None] & in_k[None, :]
+        xa_g = tl.load(XA + rows * stride_xa + rk[None, :], mask=a_mask, other=0.0)
+        xa_u = tl.load(XA + rows * stride_xa + R + rk[None, :], mask=a_mask, other=0.0)
+        ha = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            in_n = rn < N
+            tile = in_m[:, None] & in_n[None, :]
+            b_mask = in_k[:, None] & in_n[None, :]
+            bg = tl.load(BG + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)  # B_g^T: [RP, BLOCK_N]
+            bu = tl.load(BU + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
+            adt = tl.load(AD + rk[None, :] * N + rn[:, None], mask=in_n[:, None] & in_k[None, :], other=0.0)
+            g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+            u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+            g += sg * tl.dot(xa_g, bg)
+            u += su * tl.dot(xa_u, bu)
+            h = (g * tl.sigmoid(g) * u).to(H.dtype.element_ty)
+            tl.store(H + rows * stride_h + rn[None, :], h, mask=tile)
+            ha += tl.dot(h, adt)  # h A_d^T, from h as stored
+        tl.store(HA + rows * R + rk[None, :], ha.to(HA.dtype.element_ty), mask=a_mask)
 
     @triton.jit
-    def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, M, N, stride_dh, stride_dyb, stride_g,
+    def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, DXA, M, N, stride_dh, stride_dyb, stride_g,
                            stride_u, stride_xa, stride_dg, stride_du, stride_h, sg, su, sd,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, RP)
-        in_m, in_n, in_k = rm < M, rn < N, rk < R
-        tile = in_m[:, None] & in_n[None, :]
+        in_m, in_k = rm < M, rk < R
         rows = rm[:, None].to(tl.int64)
         a_mask = in_m[:, None] & in_k[None, :]
-        b_mask = in_k[:, None] & in_n[None, :]
         xa_g = tl.load(XA + rows * stride_xa + rk[None, :], mask=a_mask, other=0.0)
         xa_u = tl.load(XA + rows * stride_xa + R + rk[None, :], mask=a_mask, other=0.0)
         dyb = tl.load(DYB + rows * stride_dyb + rk[None, :], mask=a_mask, other=0.0)
-        bg = tl.load(BG + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
-        bu = tl.load(BU + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
-        ad = tl.load(AD + rk[:, None] * N + rn[None, :], mask=b_mask, other=0.0)  # A_d tile: [RP, BLOCK_N]
-        g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-        u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-        dh = tl.load(DH + rows * stride_dh + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-        g += sg * tl.dot(xa_g, bg)
-        u += su * tl.dot(xa_u, bu)
-        dh += sd * tl.dot(dyb, ad)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-        tl.store(DG + rows * stride_dg + rn[None, :], dg.to(DG.dtype.element_ty), mask=tile)
-        tl.store(DU + rows * stride_du + rn[None, :], (dh * silu).to(DU.dtype.element_ty), mask=tile)
-        tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
+        dxa_g = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+        dxa_u = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            in_n = rn < N
+            tile = in_m[:, None] & in_n[None, :]
+            b_mask = in_k[:, None] & in_n[None, :]
+            bg = tl.load(BG + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
+            bu = tl.load(BU + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
+            ad = tl.load(AD + rk[:, None] * N + rn[None, :], mask=b_mask, other=0.0)  # A_d: [RP, BLOCK_N]
+            g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+            u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+            dh = tl.load(DH + rows * stride_dh + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+            g += sg * tl.dot(xa_g, bg)
+            u += su * tl.dot(xa_u, bu)
+            dh += sd * tl.dot(dyb, ad)
+            sig = tl.sigmoid(g)
+            silu = g * sig
+            dg = (dh * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty)
+            du = (dh * silu).to(DU.dtype.element_ty)
+            tl.store(DG + rows * stride_dg + rn[None, :], dg, mask=tile)
+            tl.store(DU + rows * stride_du + rn[None, :], du, mask=tile)
+            tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
+            dxa_g += tl.dot(dg, tl.trans(bg))  # dg B_g, from dg as stored
+            dxa_u += tl.dot(du, tl.trans(bu))
+        out = DXA + rows * (2 * R) + rk[None, :]
+        tl.store(out, (sg * dxa_g).to(DXA.dtype.element_ty), mask=a_mask)
+        tl.store(out + R, (su * dxa_u).to(DXA.dtype.element_ty), mask=a_mask)
 
 
-TILES = {"forward": (32, 128, 8), "backward": (32, 128, 8)}  # BLOCK_M, BLOCK_N, warps (bench/lora_mlp.py --sweep)
+TILES = {"forward": (64, 64, 4), "backward": (64, 64, 4)}  # BLOCK_M, BLOCK_N, warps (bench/lora_mlp.py --sweep)
 
 
 def _rank_pad(r: int) -> int:
     return max(16, 1 << (r - 1).bit_length())  # tl.dot wants an inner dimension of at least 16
 
 
-def _grid(m: int, n: int, bm: int, bn: int) -> tuple[int, int]:
-    return (m + bm - 1) // bm, (n + bn - 1) // bn
-
-
-def _forward_triton(g0, u0, xa, bg, bu, sg, su, tiles=None):
+def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
     bm, bn, warps = tiles or TILES["forward"]
-    h = g0.new_empty(m, n)
-    _swiglu_fwd_kernel[_grid(m, n, bm, bn)](g0, u0, xa, bg, bu, h, m, n, g0.stride(0), u0.stride(0), xa.stride(0),
-                                            h.stride(0), sg, su, R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn,
-                                            num_warps=warps)
-    return h
+    h, ha = g0.new_empty(m, n), g0.new_empty(m, r)
+    _swiglu_fwd_kernel[(triton.cdiv(m, bm),)](g0, u0, xa, bg, bu, ad, h, ha, m, n, g0.stride(0), u0.stride(0),
+                                              xa.stride(0), h.stride(0), sg, su, R=r, RP=_rank_pad(r), BLOCK_M=bm,
+                                              BLOCK_N=bn, num_warps=warps)
+    return h, ha
 
 
 def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
     bm, bn, warps = tiles or TILES["backward"]
-    dg, du, h = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n)
-    _swiglu_bwd_kernel[_grid(m, n, bm, bn)](dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, m, n, dh0.stride(0),
-                                            dyb.stride(0), g0.stride(0), u0.stride(0), xa.stride(0), dg.stride(0),
-                                            du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
-                                            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-    return dg, du, h
+    dg, du, h, dxa = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, 2 * r)
+    _swiglu_bwd_kernel[(triton.cdiv(m, bm),)](dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, dh0.stride(0),
+                                              dyb.stride(0), g0.stride(0), u0.stride(0), xa.stride(0), dg.stride(0),
+                                              du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
+                                              BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return dg, du, h, dxa
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -159,25 +178,27 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 @torch.library.custom_op("tunesmith::lora_swiglu", mutates_args=())
 def lora_swiglu(g0: torch.Tensor, u0: torch.Tensor, xa: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor,
-                sg: float, su: float) -> torch.Tensor:
-    """SiLU(g) * u with g = g0 + sg xa[:, :r] bg^T and u = u0 + su xa[:, r:] bu^T ([m, n])."""
+                ad: torch.Tensor, sg: float, su: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = SiLU(g) * u with g = g0 + sg xa[:, :r] bg^T and u = u0 + su xa[:, r:] bu^T ([m, n]), and h ad^T ([m, r]):
+    the down projection's LoRA down-projection, from the same pass."""
     if _use_triton(g0):
         return _forward_triton(g0.contiguous(), u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(),
-                               sg, su)
-    return _forward_reference(g0, u0, xa, bg, bu, sg, su)
+                               ad.contiguous(), sg, su)
+    return _forward_reference(g0, u0, xa, bg, bu, ad, sg, su)
 
 
 @lora_swiglu.register_fake
-def _(g0, u0, xa, bg, bu, sg, su):
-    return g0.new_empty(g0.shape)
+def _(g0, u0, xa, bg, bu, ad, sg, su):
+    return g0.new_empty(g0.shape), g0.new_empty(g0.shape[0], bg.shape[1])
 
 
 @torch.library.custom_op("tunesmith::lora_swiglu_backward", mutates_args=())
 def lora_swiglu_backward(dh0: torch.Tensor, dyb: torch.Tensor, ad: torch.Tensor, g0: torch.Tensor, u0: torch.Tensor,
                          xa: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor, sg: float, su: float,
-                         sd: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         sd: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """With dh = dh0 + sd dyb ad (the SwiGLU output's gradient, the down projection's rank-r term included): the
-    gradients of g and u ([m, n] each), and the SwiGLU output h itself, which A_d's gradient needs."""
+    gradients of g and u ([m, n] each); the SwiGLU output h itself, which A_d's gradient needs; and the gradient of
+    xa, [sg dg bg | su du bu] ([m, 2r])."""
     if _use_triton(g0):
         return _backward_triton(dh0.contiguous(), dyb.contiguous(), ad.contiguous(), g0.contiguous(),
                                 u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(), sg, su, sd)
@@ -186,7 +207,8 @@ def lora_swiglu_backward(dh0: torch.Tensor, dyb: torch.Tensor, ad: torch.Tensor,
 
 @lora_swiglu_backward.register_fake
 def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
-    return g0.new_empty(g0.shape), g0.new_empty(g0.shape), g0.new_empty(g0.shape)
+    m, r = g0.shape[0], bg.shape[1]
+    return g0.new_empty(g0.shape), g0.new_empty(g0.shape), g0.new_empty(g0.shape), g0.new_empty(m, 2 * r)
 
 
 # ------------------------------------------------------------------------------------------------ the MLP
@@ -203,8 +225,7 @@ class LoraMLPFunction(torch.autograd.Function):
     def forward(ctx, x, wg, wu, wd, agu, bg, bu, ad, bd, sg: float, su: float, sd: float):
         g0, u0 = x @ wg.t(), x @ wu.t()
         xa = x @ agu.t()
-        h = lora_swiglu(g0, u0, xa, bg, bu, sg, su)
-        ha = h @ ad.t()
+        h, ha = lora_swiglu(g0, u0, xa, bg, bu, ad, sg, su)
         y = torch.addmm(h @ wd.t(), ha, bd.t(), alpha=sd)
         ctx.save_for_backward(x, g0, u0, xa, ha, wg, wu, wd, agu, bg, bu, ad, bd)
         ctx.scales = (sg, su, sd)
@@ -218,9 +239,8 @@ class LoraMLPFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dyb = dy @ bd
         dbd = (dy.t() @ ha).mul_(sd)
-        dg, du, h = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
+        dg, du, h, dxa = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
         dad = (dyb.t() @ h).mul_(sd)
-        dxa = torch.cat([(dg @ bg).mul_(sg), (du @ bu).mul_(su)], dim=1)  # the gradient of xa, [tokens, 2r]
         dbg = (dg.t() @ xa[:, :r]).mul_(sg)
         dbu = (du.t() @ xa[:, r:]).mul_(su)
         dx = torch.addmm(torch.addmm(dg @ wg, du, wu), dxa, agu)
