@@ -61,8 +61,8 @@ def build(hidden: int, inter: int, rank: int, dtype: torch.dtype):
     return model.to("cuda", dtype)
 
 
-SWEEP = [(bm, bn, w) for bm, bn in ((16, 128), (16, 256), (32, 64), (32, 128), (32, 256), (64, 64), (64, 128))
-         for w in (4, 8)]
+SWEEP = [(bm, bn, w, s) for bm, bn, w in ((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4))
+         for s in (1, 2, 4, 8)]
 
 
 def profile(fn, name: str) -> None:
@@ -94,6 +94,45 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+def kernels(a, m: int, inter: int, sums: dict) -> None:
+    from tunesmith import lora_mlp
+
+    # the kernels alone: the forward reads g0 and u0 and writes h; the backward reads dh, g0 and u0 and writes
+    # dg, du and h (bf16, 2 bytes each)
+    r = a.rank
+    g0, u0 = (torch.randn(m, inter, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    xa = torch.randn(m, 2 * r, device="cuda", dtype=torch.bfloat16)
+    bg, bu = (torch.randn(inter, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dh = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
+    dyb = torch.randn(m, r, device="cuda", dtype=torch.bfloat16)
+    ad = torch.randn(r, inter, device="cuda", dtype=torch.bfloat16)
+    big = m * inter * 2
+    fwd = lora_mlp.lora_swiglu
+    bwd = lora_mlp.lora_swiglu_backward
+    args = (g0, u0, xa, bg, bu, ad, 0.5, 2.0)
+    bargs = (dh, dyb, ad, g0, u0, xa, bg, bu, 0.5, 2.0, 1.5)
+    tf = timed(lambda args=args, fwd=fwd: fwd(*args), a.warmup, a.iters)
+    tb = timed(lambda bargs=bargs, bwd=bwd: bwd(*bargs), a.warmup, a.iters)
+    h0, h1 = lora_mlp._forward_reference(*args), fwd(*args)
+    b0, b1 = lora_mlp._backward_reference(*bargs), bwd(*bargs)
+    print(f"  kernels: forward {tf:.3f} ms ({3 * big / tf / 1e9:.2f} TB/s), backward {tb:.3f} ms "
+          f"({6 * big / tb / 1e9:.2f} TB/s); against the fp32 reference: h {rel(h1[0], h0[0]):.1e}, "
+          f"h A_d^T {rel(h1[1], h0[1]):.1e}, dg {rel(b1[0], b0[0]):.1e}, du {rel(b1[1], b0[1]):.1e}, "
+          f"h {rel(b1[2], b0[2]):.1e}, dxa {rel(b1[3], b0[3]):.1e}")
+    if a.sweep:
+        mine = {}
+        for tiles in SWEEP:
+            f = timed(lambda t=tiles, args=args: lora_mlp._forward_triton(*args, tiles=t), a.warmup, a.iters)
+            b = timed(lambda t=tiles, bargs=bargs: lora_mlp._backward_triton(*bargs, tiles=t), a.warmup,
+                      a.iters)
+            print(f"  tiles {tiles}: forward {f:.3f} ms ({3 * big / f / 1e9:.2f} TB/s), backward {b:.3f} ms "
+                  f"({6 * big / b / 1e9:.2f} TB/s)")
+            sums[tiles] = [x + y for x, y in zip(sums.get(tiles, (0.0, 0.0)), (f, b), strict=True)]
+            mine[tiles] = (f, b)
+        print(f"  fastest here: forward {min(mine, key=lambda t: mine[t][0])}, backward "
+              f"{min(mine, key=lambda t: mine[t][1])}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="llama-1b,llama-8b")
@@ -103,15 +142,19 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="do not compile the modules")
     ap.add_argument("--sweep", action="store_true", help="time the kernels at several tile shapes")
     ap.add_argument("--profile", action="store_true", help="CUDA kernel times of one forward + backward of each")
+    ap.add_argument("--kernels-only", action="store_true", help="time the two kernels alone, not the modules")
     a = ap.parse_args()
     import torch._functorch.config as functorch_config
 
-    from tunesmith import lora_mlp
     from tunesmith.fused import LEAN_BUDGET, fuse_mlp
 
     sums = {}  # tiles -> summed forward, backward times over the rows
     for row in a.rows.split(","):
         hidden, inter, m = SHAPES[row]
+        if a.kernels_only:
+            print(f"{row}: intermediate {inter}, {m} tokens, LoRA r{a.rank}, bf16")
+            kernels(a, m, inter, sums)
+            continue
         peft = build(hidden, inter, a.rank, torch.bfloat16)
         ref = copy.deepcopy(peft).float()
         fused = copy.deepcopy(peft)
@@ -146,36 +189,7 @@ def main() -> None:
         print(f"  fused / PEFT time {t1 / t0:.3f}; fused vs PEFT: output {rel(y1, y0):.2e}, LoRA gradients (worst) "
               f"{max(rel(g1[k], g0[k]) for k in g0):.2e}")
 
-        # the kernels alone: the forward reads g0 and u0 and writes h; the backward reads dh, g0 and u0 and writes
-        # dg, du and h (bf16, 2 bytes each)
-        r = a.rank
-        g0, u0 = (torch.randn(m, inter, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        xa = torch.randn(m, 2 * r, device="cuda", dtype=torch.bfloat16)
-        bg, bu = (torch.randn(inter, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        dh = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
-        dyb = torch.randn(m, r, device="cuda", dtype=torch.bfloat16)
-        ad = torch.randn(r, inter, device="cuda", dtype=torch.bfloat16)
-        big = m * inter * 2
-        fwd = lora_mlp.lora_swiglu
-        bwd = lora_mlp.lora_swiglu_backward
-        args = (g0, u0, xa, bg, bu, ad, 0.5, 2.0)
-        bargs = (dh, dyb, ad, g0, u0, xa, bg, bu, 0.5, 2.0, 1.5)
-        tf = timed(lambda args=args, fwd=fwd: fwd(*args), a.warmup, a.iters)
-        tb = timed(lambda bargs=bargs, bwd=bwd: bwd(*bargs), a.warmup, a.iters)
-        h0, h1 = lora_mlp._forward_reference(*args), fwd(*args)
-        b0, b1 = lora_mlp._backward_reference(*bargs), bwd(*bargs)
-        print(f"  kernels: forward {tf:.3f} ms ({3 * big / tf / 1e9:.2f} TB/s), backward {tb:.3f} ms "
-              f"({6 * big / tb / 1e9:.2f} TB/s); against the fp32 reference: h {rel(h1[0], h0[0]):.1e}, "
-              f"h A_d^T {rel(h1[1], h0[1]):.1e}, dg {rel(b1[0], b0[0]):.1e}, du {rel(b1[1], b0[1]):.1e}, "
-              f"h {rel(b1[2], b0[2]):.1e}, dxa {rel(b1[3], b0[3]):.1e}")
-        if a.sweep:
-            for tiles in SWEEP:
-                f = timed(lambda t=tiles, args=args: lora_mlp._forward_triton(*args, tiles=t), a.warmup, a.iters)
-                b = timed(lambda t=tiles, bargs=bargs: lora_mlp._backward_triton(*bargs, tiles=t), a.warmup,
-                          a.iters)
-                print(f"  tiles {tiles}: forward {f:.3f} ms ({3 * big / f / 1e9:.2f} TB/s), backward {b:.3f} ms "
-                      f"({6 * big / b / 1e9:.2f} TB/s)")
-                sums[tiles] = [x + y for x, y in zip(sums.get(tiles, (0.0, 0.0)), (f, b), strict=True)]
+        kernels(a, m, inter, sums)
         del peft, fused, results
         torch.cuda.empty_cache()
     if sums:

@@ -64,15 +64,18 @@ def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels
-# Each program owns BLOCK_M rows and walks their whole width in BLOCK_N columns, so the sums over the width (h A_d^T
-# forward, dg B_g and du B_u backward) stay in its registers.
+# Each program owns BLOCK_M rows and walks a segment of W columns of them (the whole width, or a fixed share of it
+# where there are too few row blocks to fill the GPU) in BLOCK_N columns, so the sums over the width (h A_d^T
+# forward, dg B_g and du B_u backward) stay in its registers; a segment's sums go to their own slot of an fp32
+# buffer, added up afterwards in a fixed order.
 
 if triton is not None:
 
     @triton.jit
-    def _swiglu_fwd_kernel(G, U, XA, BG, BU, AD, H, HA, M, N, stride_g, stride_u, stride_xa, stride_h, sg, su,
+    def _swiglu_fwd_kernel(G, U, XA, BG, BU, AD, H, HA, M, N, W, stride_g, stride_u, stride_xa, stride_h, sg, su,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        seg = tl.program_id(1)
         rk = tl.arange(0, RP)
         in_m, in_k = rm < M, rk < R
         rows = rm[:, None].to(tl.int64)
@@ -80,7 +83,7 @@ if triton is not None:
         xa_g = tl.load(XA + rows * stride_xa + rk[None, :], mask=a_mask, other=0.0)
         xa_u = tl.load(XA + rows * stride_xa + R + rk[None, :], mask=a_mask, other=0.0)
         ha = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
+        for n0 in range(seg * W, tl.minimum(seg * W + W, N), BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             in_n = rn < N
             tile = in_m[:, None] & in_n[None, :]
@@ -95,13 +98,14 @@ if triton is not None:
             h = (g * tl.sigmoid(g) * u).to(H.dtype.element_ty)
             tl.store(H + rows * stride_h + rn[None, :], h, mask=tile)
             ha += tl.dot(h, adt)  # h A_d^T, from h as stored
-        tl.store(HA + rows * R + rk[None, :], ha.to(HA.dtype.element_ty), mask=a_mask)
+        tl.store(HA + seg.to(tl.int64) * M * R + rows * R + rk[None, :], ha, mask=a_mask)
 
     @triton.jit
-    def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, DXA, M, N, stride_dh, stride_dyb, stride_g,
+    def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, DXA, M, N, W, stride_dh, stride_dyb, stride_g,
                            stride_u, stride_xa, stride_dg, stride_du, stride_h, sg, su, sd,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        seg = tl.program_id(1)
         rk = tl.arange(0, RP)
         in_m, in_k = rm < M, rk < R
         rows = rm[:, None].to(tl.int64)
@@ -111,7 +115,7 @@ if triton is not None:
         dyb = tl.load(DYB + rows * stride_dyb + rk[None, :], mask=a_mask, other=0.0)
         dxa_g = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
         dxa_u = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
+        for n0 in range(seg * W, tl.minimum(seg * W + W, N), BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             in_n = rn < N
             tile = in_m[:, None] & in_n[None, :]
@@ -134,37 +138,51 @@ if triton is not None:
             tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
             dxa_g += tl.dot(dg, tl.trans(bg))  # dg B_g, from dg as stored
             dxa_u += tl.dot(du, tl.trans(bu))
-        out = DXA + rows * (2 * R) + rk[None, :]
-        tl.store(out, (sg * dxa_g).to(DXA.dtype.element_ty), mask=a_mask)
-        tl.store(out + R, (su * dxa_u).to(DXA.dtype.element_ty), mask=a_mask)
+        out = DXA + seg.to(tl.int64) * M * (2 * R) + rows * (2 * R) + rk[None, :]
+        tl.store(out, sg * dxa_g, mask=a_mask)
+        tl.store(out + R, su * dxa_u, mask=a_mask)
 
 
-TILES = {"forward": (64, 64, 4), "backward": (64, 64, 4)}  # BLOCK_M, BLOCK_N, warps (bench/lora_mlp.py --sweep)
+# BLOCK_M, BLOCK_N, warps, width segments (bench/lora_mlp.py --sweep)
+TILES = {"forward": (64, 64, 4, 1), "backward": (64, 64, 4, 1)}
 
 
 def _rank_pad(r: int) -> int:
     return max(16, 1 << (r - 1).bit_length())  # tl.dot wants an inner dimension of at least 16
 
 
+def _segments(n: int, bn: int, segments: int) -> tuple[int, int]:
+    """The width of a segment (a multiple of the tile width) and how many segments that makes."""
+    width = triton.cdiv(triton.cdiv(n, segments), bn) * bn
+    return width, triton.cdiv(n, width)
+
+
+def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (parts[0] if parts.shape[0] == 1 else parts.sum(0)).to(dtype)
+
+
 def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
-    bm, bn, warps = tiles or TILES["forward"]
-    h, ha = g0.new_empty(m, n), g0.new_empty(m, r)
-    _swiglu_fwd_kernel[(triton.cdiv(m, bm),)](g0, u0, xa, bg, bu, ad, h, ha, m, n, g0.stride(0), u0.stride(0),
-                                              xa.stride(0), h.stride(0), sg, su, R=r, RP=_rank_pad(r), BLOCK_M=bm,
-                                              BLOCK_N=bn, num_warps=warps)
-    return h, ha
+    bm, bn, warps, segments = tiles or TILES["forward"]
+    width, segments = _segments(n, bn, segments)
+    h, ha = g0.new_empty(m, n), g0.new_empty(segments, m, r, dtype=torch.float32)
+    _swiglu_fwd_kernel[(triton.cdiv(m, bm), segments)](
+        g0, u0, xa, bg, bu, ad, h, ha, m, n, width, g0.stride(0), u0.stride(0), xa.stride(0), h.stride(0), sg, su,
+        R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return h, _summed(ha, g0.dtype)
 
 
 def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
-    bm, bn, warps = tiles or TILES["backward"]
-    dg, du, h, dxa = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, 2 * r)
-    _swiglu_bwd_kernel[(triton.cdiv(m, bm),)](dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, dh0.stride(0),
-                                              dyb.stride(0), g0.stride(0), u0.stride(0), xa.stride(0), dg.stride(0),
-                                              du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
-                                              BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-    return dg, du, h, dxa
+    bm, bn, warps, segments = tiles or TILES["backward"]
+    width, segments = _segments(n, bn, segments)
+    dg, du, h = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n)
+    dxa = g0.new_empty(segments, m, 2 * r, dtype=torch.float32)
+    _swiglu_bwd_kernel[(triton.cdiv(m, bm), segments)](
+        dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, width, dh0.stride(0), dyb.stride(0), g0.stride(0),
+        u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return dg, du, h, _summed(dxa, g0.dtype)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
