@@ -831,6 +831,13 @@ def test_the_lora_aware_mlp_leaves_dropout_and_partial_targets_alone_and_undoes_
     for targets in (("q_proj", "v_proj"), ("gate_proj", "up_proj")):  # down_proj without an adapter: PEFT's layers
         model, = _qkv_pair(tokenizer, targets=targets)[:1]
         assert fused.fuse_mlp(model) == 0
+    from tunesmith.qlora import quantize_base
+
+    dora = attach_lora(make_model(tokenizer), rank=4, alpha=8, dropout=0.0, targets=["all-linear"], dora=True)
+    assert fused.fuse_mlp(dora) == 0
+    qlora = attach_lora(quantize_base(make_model(tokenizer), "fp8"), rank=4, alpha=8, dropout=0.0,
+                        targets=["all-linear"])
+    assert fused.fuse_mlp(qlora) == 0  # a quantized base (fp8 codes) is not a torch Linear to cast
     plain, fast = _qkv_pair(tokenizer)
     fused.fuse_mlp(fast)
     fused.unfuse_mlp(fast)
