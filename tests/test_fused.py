@@ -913,3 +913,29 @@ def test_the_lora_aware_mlp_is_chosen_on_cuda_with_triton(setting, device, trito
 
     monkeypatch.setattr(T, "triton_available", lambda: triton)
     assert T.uses_fused_mlp(TrainConfig(fused_mlp=setting), device) is expected
+
+
+def test_the_lora_aware_mlp_skips_the_input_gradient_where_none_is_asked_for():
+    """An MLP whose input needs no gradient (LoRA on MLPs only: the first one's input comes from frozen layers)
+    skips the three products of the input's gradient, and its LoRA gradients stay the same."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tunesmith.lora_mlp import LoraMLPFunction
+
+    m, h, n, r = 6, 8, 12, 2
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*shape, generator=g) for shape in ((n, h), (n, h), (h, n))]
+    lora = [torch.randn(*shape, generator=g, requires_grad=True) for shape in ((2 * r, h), (n, r), (n, r), (r, n),
+                                                                                 (h, r))]
+    x = torch.randn(m, h, generator=g)
+    grads, flops = [], []
+    for needs in (True, False):
+        xin = x.clone().requires_grad_(needs)
+        y = LoraMLPFunction.apply(xin, *weights, *lora, 0.5, 2.0, 1.5)
+        with FlopCounterMode(display=False) as count:
+            got = torch.autograd.grad(y.sum(), [xin, *lora] if needs else lora)
+        grads.append(got[-len(lora):])
+        flops.append(count.get_total_flops())
+    assert flops[0] - flops[1] == 2 * m * h * (2 * n + 2 * r)  # [dg | du] [W_g; W_u] and dxa [A_g; A_u], skipped
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)

@@ -28,10 +28,6 @@ except ImportError:  # the CPU wheels of torch come without Triton; the PyTorch 
     triton = None
 
 
-def triton_available() -> bool:
-    return triton is not None
-
-
 # ------------------------------------------------------------------------------------------------ the reference
 
 
@@ -261,6 +257,6 @@ class LoraMLPFunction(torch.autograd.Function):
         dad = (dyb.t() @ h).mul_(sd)
         dbg = (dg.t() @ xa[:, :r]).mul_(sg)
         dbu = (du.t() @ xa[:, r:]).mul_(su)
-        dx = torch.addmm(torch.addmm(dg @ wg, du, wu), dxa, agu)
+        dx = torch.addmm(torch.addmm(dg @ wg, du, wu), dxa, agu) if ctx.needs_input_grad[0] else None
         dagu = dxa.t() @ x
         return dx, None, None, None, dagu, dbg, dbu, dad, dbd, None, None, None
