@@ -831,6 +831,8 @@ def test_the_lora_aware_mlp_leaves_dropout_and_partial_targets_alone_and_undoes_
     for targets in (("q_proj", "v_proj"), ("gate_proj", "up_proj")):  # down_proj without an adapter: PEFT's layers
         model, = _qkv_pair(tokenizer, targets=targets)[:1]
         assert fused.fuse_mlp(model) == 0
+    wide, = _qkv_pair(tokenizer, rank=fused.MLP_MAX_RANK + 1)[:1]
+    assert fused.fuse_mlp(wide) == 0
     from tunesmith.qlora import quantize_base
 
     dora = attach_lora(make_model(tokenizer), rank=4, alpha=8, dropout=0.0, targets=["all-linear"], dora=True)

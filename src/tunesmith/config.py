@@ -263,8 +263,8 @@ class TrainConfig(DataConfig, ModelConfig):
     fused_qkv: bool = opt(True, "Llama-family attention with LoRA on any of q_proj, k_proj, v_proj at dropout 0: the "
                           "three projections as one product over their joined frozen weights, the LoRA "
                           "down-projections as one more (the input read once, not once per adapter)")
-    fused_mlp: str = opt("auto", "Llama-family MLP with LoRA on gate_proj, up_proj and down_proj at dropout 0: one "
-                         "function whose SwiGLU kernel makes the gate and up LoRA terms in registers (never as "
+    fused_mlp: str = opt("auto", "Llama-family MLP with LoRA on gate_proj, up_proj and down_proj at dropout 0 "
+                         "(rank up to 32): one function whose SwiGLU kernel makes the gate and up LoRA terms in registers (never as "
                          "full-size tensors) and adds the down projection's into its gradient. auto: on CUDA where "
                          "Triton is installed; on (elsewhere in plain PyTorch, fp32 inside: for checking, not "
                          "speed); off (PEFT's layers)", choices=["auto", "on", "off"])

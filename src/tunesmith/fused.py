@@ -427,18 +427,23 @@ def unfuse_qkv(model: torch.nn.Module) -> torch.nn.Module:
 # ------------------------------------------------------------------------------------------------ LoRA-aware MLP
 
 MLP = ("gate_proj", "up_proj", "down_proj")
+# The kernels hold [rows, rank] blocks in registers beside each tile (measured at rank 16); larger ranks keep PEFT's
+# layers rather than spill.
+MLP_MAX_RANK = 32
 
 
 def _mlp_parts(module) -> list[str] | None:
     """The adapters' names if `module` is a Llama-family SiLU-gated MLP whose gate, up and down projections are all
-    plain LoRA layers at dropout 0 (`_plain_lora`) of one rank over bias-free bases of one dtype; else None."""
+    plain LoRA layers at dropout 0 (`_plain_lora`) of one rank (at most MLP_MAX_RANK) over bias-free bases of one
+    dtype; else None."""
     if not all(hasattr(module, p) for p in MLP) or getattr(getattr(module, "config", None), "hidden_act", None) != "silu":
         return None
     layers = [getattr(module, p) for p in MLP]
     names = [_plain_lora(layer) for layer in layers]
     if any(n is None for n in names):
         return None
-    if len({layer.lora_A[n].weight.shape[0] for layer, n in zip(layers, names, strict=True)}) != 1:
+    ranks = {layer.lora_A[n].weight.shape[0] for layer, n in zip(layers, names, strict=True)}
+    if len(ranks) != 1 or ranks.pop() > MLP_MAX_RANK:
         return None
     if len({(layer.base_layer.weight.dtype, layer.base_layer.weight.device) for layer in layers}) != 1:
         return None
