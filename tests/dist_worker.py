@@ -38,6 +38,9 @@ def main(spec_path: str) -> int:
     for name in ("save_adapter", "save_config"):  # the run folder's writers, as train.py calls them
         real = getattr(T, name)
         setattr(T, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    fused_mlps: list[int] = []  # how many MLPs each fuse_mlp call routed through the LoRA-aware function
+    real_fuse = T.fuse_mlp
+    T.fuse_mlp = lambda model: (fused_mlps.append(n := real_fuse(model)), n)[1]
     real_save = T.Checkpointer.save
     T.Checkpointer.save = lambda self, *a, **k: (calls.append("checkpoint"), real_save(self, *a, **k))[1]
 
@@ -50,7 +53,7 @@ def main(spec_path: str) -> int:
     tok = make_tokenizer()
     data = load_data(cfg.data, tok, cfg.seq_len, cfg.val_fraction)
     out = Path(spec["out"])
-    record = {"rank": rank, "calls": calls}
+    record = {"rank": rank, "calls": calls, "fused_mlps": fused_mlps}
     try:
         result = T.train(cfg, model=make_model(tok), tokenizer=tok, data=data, loss=recording_loss,
                          callback=lambda r: steps.append([]), progress=False)

@@ -129,6 +129,28 @@ def test_two_processes_train_as_one_shard_sync_write_once_and_resume_exactly(tmp
 
 
 @pytest.mark.slow
+def test_two_processes_with_the_lora_aware_mlp_train_as_one(tmp_path, corpus):
+    """DDP over the LoRA-aware MLP (on by default on CUDA; here its plain-PyTorch reference): the gradients of its
+    adapters are synchronized like PEFT's, and the run is the 1-process run."""
+    kw = {**BASE, "data": str(corpus), "lora_targets": ["all-linear"], "fused_mlp": "on"}
+    r0, r1 = _two_processes(tmp_path, "mlp", {**kw, "output": str(tmp_path / "two"), "batch_size": 2})
+    one, _ = _one_process({**kw, "output": str(tmp_path / "one"), "batch_size": 4})
+    assert r0["fused_mlps"] == r1["fused_mlps"] == [2]  # both layers' MLPs, on each process
+    assert r0["weights"] == r1["weights"]
+    assert r0["losses"] == pytest.approx(one.losses, rel=1e-5) and r0["losses"][-1] < r0["losses"][0]
+    a2 = load_adapter(tmp_path / "two")
+    assert any("mlp.down_proj.lora_B" in k for k in a2)
+    for k, v in load_adapter(tmp_path / "one").items():
+        torch.testing.assert_close(a2[k], v, rtol=0, atol=0.2 * BASE["lr"])
+
+
+def load_adapter(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run / "adapter" / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
 def test_processes_that_disagree_stop_with_one_error(tmp_path, corpus):
     config = {**BASE, "data": str(corpus), "output": str(tmp_path / "run"), "batch_size": 2}
     records = _two_processes(tmp_path, "disagree", config, rank_overrides={"1": {"lr": 5e-3}})
