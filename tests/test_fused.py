@@ -941,3 +941,27 @@ def test_the_lora_aware_mlp_skips_the_input_gradient_where_none_is_asked_for():
     assert flops[0] - flops[1] == 2 * m * h * (2 * n + 2 * r)  # [dg | du] [W_g; W_u] and dxa [A_g; A_u], skipped
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_mlp_kernels_compile_for_ampere_and_hopper(dtype, arch):
+    """The kernels as the GPU would build them (Triton's own ptxas, no GPU needed): what the interpreter cannot
+    check, such as the products' input precision for each dtype, at the tiles the trainer uses."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from tunesmith import lora_mlp
+
+    constexprs = {"R": 16, "RP": 16, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+    for kernel, tiles in ((lora_mlp._swiglu_fwd_kernel, lora_mlp.TILES["forward"]),
+                          (lora_mlp._swiglu_bwd_kernel, lora_mlp.TILES["backward"])):
+        names = kernel.arg_names
+        consts = {**constexprs, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}
+        signature = {n: "constexpr" if n in consts else "fp32" if n in ("sg", "su", "sd") else
+                     "*fp32" if n in ("HA", "DXA") else  # the row sums' fp32 slots
+                     f"*{dtype}" if n.isupper() and n not in ("M", "N", "W") else "i32" for n in names}
+        src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()})
+        built = compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles[2]})
+        assert built.asm["cubin"] and ".target sm_" in built.asm["ptx"]

@@ -69,7 +69,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_fwd_kernel(G, U, XA, BG, BU, AD, H, HA, M, N, W, stride_g, stride_u, stride_xa, stride_h, sg, su,
-                           R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                           R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           PRECISION: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         seg = tl.program_id(1)
         rk = tl.arange(0, RP)
@@ -89,17 +90,18 @@ if triton is not None:
             adt = tl.load(AD + rk[None, :] * N + rn[:, None], mask=in_n[:, None] & in_k[None, :], other=0.0)
             g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
             u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-            g += sg * tl.dot(xa_g, bg)
-            u += su * tl.dot(xa_u, bu)
+            g += sg * tl.dot(xa_g, bg, input_precision=PRECISION)
+            u += su * tl.dot(xa_u, bu, input_precision=PRECISION)
             h = (g * tl.sigmoid(g) * u).to(H.dtype.element_ty)
             tl.store(H + rows * stride_h + rn[None, :], h, mask=tile)
-            ha += tl.dot(h, adt)  # h A_d^T, from h as stored
+            ha += tl.dot(h, adt, input_precision=PRECISION)  # h A_d^T, from h as stored
         tl.store(HA + seg.to(tl.int64) * M * R + rows * R + rk[None, :], ha, mask=a_mask)
 
     @triton.jit
     def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, DXA, M, N, W, stride_dh, stride_dyb, stride_g,
                            stride_u, stride_xa, stride_dg, stride_du, stride_h, sg, su, sd,
-                           R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                           R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           PRECISION: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         seg = tl.program_id(1)
         rk = tl.arange(0, RP)
@@ -122,9 +124,9 @@ if triton is not None:
             g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
             u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
             dh = tl.load(DH + rows * stride_dh + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-            g += sg * tl.dot(xa_g, bg)
-            u += su * tl.dot(xa_u, bu)
-            dh += sd * tl.dot(dyb, ad)
+            g += sg * tl.dot(xa_g, bg, input_precision=PRECISION)
+            u += su * tl.dot(xa_u, bu, input_precision=PRECISION)
+            dh += sd * tl.dot(dyb, ad, input_precision=PRECISION)
             sig = tl.sigmoid(g)
             silu = g * sig
             dg = (dh * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty)
@@ -132,8 +134,8 @@ if triton is not None:
             tl.store(DG + rows * stride_dg + rn[None, :], dg, mask=tile)
             tl.store(DU + rows * stride_du + rn[None, :], du, mask=tile)
             tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
-            dxa_g += tl.dot(dg, tl.trans(bg))  # dg B_g, from dg as stored
-            dxa_u += tl.dot(du, tl.trans(bu))
+            dxa_g += tl.dot(dg, tl.trans(bg), input_precision=PRECISION)  # dg B_g, from dg as stored
+            dxa_u += tl.dot(du, tl.trans(bu), input_precision=PRECISION)
         out = DXA + seg.to(tl.int64) * M * (2 * R) + rows * (2 * R) + rk[None, :]
         tl.store(out, sg * dxa_g, mask=a_mask)
         tl.store(out + R, su * dxa_u, mask=a_mask)
@@ -141,6 +143,11 @@ if triton is not None:
 
 # BLOCK_M, BLOCK_N, warps, width segments (bench/lora_mlp.py --sweep)
 TILES = {"forward": (64, 64, 4, 1), "backward": (64, 64, 4, 1)}
+
+
+def _precision(t: torch.Tensor) -> str:
+    """fp32 inputs multiply in full fp32 ("ieee"), as torch's own fp32 products do by default, not in TF32."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def _rank_pad(r: int) -> int:
@@ -164,7 +171,7 @@ def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     h, ha = g0.new_empty(m, n), g0.new_empty(segments, m, r, dtype=torch.float32)
     _swiglu_fwd_kernel[(triton.cdiv(m, bm), segments)](
         g0, u0, xa, bg, bu, ad, h, ha, m, n, width, g0.stride(0), u0.stride(0), xa.stride(0), h.stride(0), sg, su,
-        R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), num_warps=warps)
     return h, _summed(ha, g0.dtype)
 
 
@@ -177,7 +184,7 @@ def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
     _swiglu_bwd_kernel[(triton.cdiv(m, bm), segments)](
         dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, width, dh0.stride(0), dyb.stride(0), g0.stride(0),
         u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), num_warps=warps)
     return dg, du, h, _summed(dxa, g0.dtype)
 
 
