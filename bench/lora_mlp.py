@@ -133,6 +133,36 @@ def kernels(a, m: int, inter: int, sums: dict) -> None:
               f"{min(mine, key=lambda t: mine[t][1])}")
 
 
+def registers(rank: int) -> None:
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tunesmith import lora_mlp
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    print(f"sm_90, bf16, LoRA r{rank}: registers and stack bytes per thread (Triton {triton.__version__})")
+    for name, kernel in (("forward", lora_mlp._swiglu_fwd_kernel), ("backward", lora_mlp._swiglu_bwd_kernel)):
+        for bm, bn, warps, _ in SWEEP[::4]:  # the segments change the grid, not the kernel
+            consts = {"R": rank, "RP": lora_mlp._rank_pad(rank), "PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn}
+            names = kernel.arg_names
+            signature = {n: "constexpr" if n in consts else "fp32" if n in ("sg", "su", "sd") else
+                         "*fp32" if n in ("HA", "DXA") else "*bf16" if n.isupper() and n not in ("M", "N", "W")
+                         else "i32" for n in names}
+            src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()})
+            built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(built.asm["cubin"])
+                f.flush()
+                out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+            usage = next(line.split()[:2] for line in out.splitlines() if "REG:" in line)
+            print(f"  {name:8s} tiles {bm:3d} x {bn:3d}, {warps} warps: {' '.join(usage)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="llama-1b,llama-8b")
@@ -143,7 +173,12 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the kernels at several tile shapes")
     ap.add_argument("--profile", action="store_true", help="CUDA kernel times of one forward + backward of each")
     ap.add_argument("--kernels-only", action="store_true", help="time the two kernels alone, not the modules")
+    ap.add_argument("--registers", action="store_true",
+                    help="no GPU needed: build the kernels at each tile shape of the sweep for sm_90 with Triton's "
+                         "ptxas and print their registers and stack (spills) per thread")
     a = ap.parse_args()
+    if a.registers:
+        return registers(a.rank)
     import torch._functorch.config as functorch_config
 
     from tunesmith.fused import LEAN_BUDGET, fuse_mlp
