@@ -963,5 +963,6 @@ def test_the_mlp_kernels_compile_for_ampere_and_hopper(dtype, arch):
                      "*fp32" if n in ("HA", "DXA") else  # the row sums' fp32 slots
                      f"*{dtype}" if n.isupper() and n not in ("M", "N", "W") else "i32" for n in names}
         src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()})
-        built = compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles[2]})
+        built = compile(src, target=GPUTarget("cuda", arch, 32),
+                        options={"num_warps": tiles[2], "enable_fp_fusion": lora_mlp.FMA})
         assert built.asm["cubin"] and ".target sm_" in built.asm["ptx"]
