@@ -15,25 +15,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-SHAPES = {"llama-1b": (2048, 8192, 8 * 2048), "llama-8b": (4096, 14336, 4 * 2048)}  # hidden, intermediate, tokens
-
-
-def timed(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lora_overhead import SHAPES, timed  # noqa: E402  (hidden, intermediate, ..., tokens a micro-batch step)
 
 
 def build(hidden: int, inter: int, rank: int, dtype: torch.dtype):
@@ -185,7 +173,7 @@ def main() -> None:
 
     sums = {}  # tiles -> summed forward, backward times over the rows
     for row in a.rows.split(","):
-        hidden, inter, m = SHAPES[row]
+        hidden, inter, *_, m = SHAPES[row]
         if a.kernels_only:
             print(f"{row}: intermediate {inter}, {m} tokens, LoRA r{a.rank}, bf16")
             kernels(a, m, inter, sums)
