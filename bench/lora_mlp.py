@@ -103,6 +103,9 @@ def kernels(a, m: int, inter: int, sums: dict) -> None:
     tb = timed(lambda bargs=bargs, bwd=bwd: bwd(*bargs), a.warmup, a.iters)
     h0, h1 = lora_mlp._forward_reference(*args), fwd(*args)
     b0, b1 = lora_mlp._backward_reference(*bargs), bwd(*bargs)
+    auto = {k: lora_mlp.auto_segments(-(-m // t[0]), torch.cuda.get_device_properties(0).multi_processor_count)
+            for k, t in lora_mlp.TILES.items()}
+    print(f"  kernels at TILES {lora_mlp.TILES} (segments 0 here: {auto})")
     print(f"  kernels: forward {tf:.3f} ms ({3 * big / tf / 1e9:.2f} TB/s), backward {tb:.3f} ms "
           f"({6 * big / tb / 1e9:.2f} TB/s); against the fp32 reference: h {rel(h1[0], h0[0]):.1e}, "
           f"h A_d^T {rel(h1[1], h0[1]):.1e}, dg {rel(b1[0], b0[0]):.1e}, du {rel(b1[1], b0[1]):.1e}, "
@@ -113,8 +116,11 @@ def kernels(a, m: int, inter: int, sums: dict) -> None:
             f = timed(lambda t=tiles, args=args: lora_mlp._forward_triton(*args, tiles=t), a.warmup, a.iters)
             b = timed(lambda t=tiles, bargs=bargs: lora_mlp._backward_triton(*bargs, tiles=t), a.warmup,
                       a.iters)
+            hf = lora_mlp._forward_triton(*args, tiles=tiles)
+            hb = lora_mlp._backward_triton(*bargs, tiles=tiles)
+            err = max(rel(hf[0], h0[0]), rel(hf[1], h0[1]), *(rel(x, y) for x, y in zip(hb, b0, strict=True)))
             print(f"  tiles {tiles}: forward {f:.3f} ms ({3 * big / f / 1e9:.2f} TB/s), backward {b:.3f} ms "
-                  f"({6 * big / b / 1e9:.2f} TB/s)")
+                  f"({6 * big / b / 1e9:.2f} TB/s), largest error against the fp32 reference {err:.1e}")
             sums[tiles] = [x + y for x, y in zip(sums.get(tiles, (0.0, 0.0)), (f, b), strict=True)]
             mine[tiles] = (f, b)
         print(f"  fastest here: forward {min(mine, key=lambda t: mine[t][0])}, backward "

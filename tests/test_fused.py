@@ -886,6 +886,29 @@ def test_the_mlp_kernels_equal_their_reference_under_triton_s_interpreter(tmp_pa
     assert float(out.stdout.split()[-1]) < 1e-3
 
 
+@pytest.mark.parametrize(("row_blocks", "multiprocessors", "expected"), [
+    (256, 132, 4), (128, 132, 8), (2048, 132, 1), (1, 132, 8), (264, 132, 2), (64, 108, 8), (512, 108, 1)])
+def test_the_mlp_kernels_cut_the_width_until_every_multiprocessor_has_four_programs(row_blocks, multiprocessors,
+                                                                                      expected):
+    """TILES' segments 0: an H200 (132 multiprocessors) gets 4 segments for the 1B row's 256 row blocks of 64 and 8
+    for the 8B row's 128, as measured fastest; enough row blocks need none; never more than MAX_SEGMENTS."""
+    from tunesmith import lora_mlp
+
+    assert lora_mlp.TILES["forward"][3] == lora_mlp.TILES["backward"][3] == 0
+    assert lora_mlp.auto_segments(row_blocks, multiprocessors) == expected
+
+
+def test_auto_segments_cut_the_width_into_whole_tiles(monkeypatch):
+    pytest.importorskip("triton")
+    from tunesmith import lora_mlp
+
+    monkeypatch.setattr(lora_mlp, "_multiprocessors", lambda device: 132)
+    assert lora_mlp._segments(14336, 64, 0, 128, None) == (1792, 8)  # the 8B's width, 8 x 28 tiles of 64
+    assert lora_mlp._segments(8192, 64, 0, 256, None) == (2048, 4)
+    assert lora_mlp._segments(200, 64, 0, 1, None) == (64, 4)  # no more segments than tiles
+    assert lora_mlp._segments(200, 64, 3) == (128, 2)  # an explicit count, rounded to whole tiles
+
+
 def test_train_with_the_lora_aware_mlp_follows_peft_s_and_resumes_exactly(tmp_path, tiny_dir, text_file, capsys):
     import shutil
 

@@ -19,6 +19,8 @@ bench/lora_mlp.py.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -142,7 +144,13 @@ if triton is not None:
 
 
 # BLOCK_M, BLOCK_N, warps, width segments (bench/lora_mlp.py --sweep)
-TILES = {"forward": (64, 64, 4, 1), "backward": (64, 64, 4, 1)}
+# Segments 0: as many as it takes for PROGRAMS_PER_SM programs on each multiprocessor (a power of two, at most
+# MAX_SEGMENTS). On an H200 that is 4 for the 1B row's 256 row blocks and 8 for the 8B row's 128, the fastest or
+# within noise of it for both kernels (bench/results/h200-2026-12-02-lora-mlp-sweep2.txt); one segment left the 8B
+# row's single wave of 128 programs a quarter slower.
+TILES = {"forward": (64, 64, 4, 0), "backward": (64, 64, 4, 0)}
+PROGRAMS_PER_SM = 4
+MAX_SEGMENTS = 8
 
 
 # Multiply-adds fused into FMAs, as the kernels were measured (Triton's default until 3.9; 3.10 turns it off unless
@@ -159,8 +167,26 @@ def _rank_pad(r: int) -> int:
     return max(16, 1 << (r - 1).bit_length())  # tl.dot wants an inner dimension of at least 16
 
 
-def _segments(n: int, bn: int, segments: int) -> tuple[int, int]:
-    """The width of a segment (a multiple of the tile width) and how many segments that makes."""
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_segments(row_blocks: int, multiprocessors: int) -> int:
+    """Width segments for TILES' 0: the fewest (a power of two, at most MAX_SEGMENTS) that give every multiprocessor
+    PROGRAMS_PER_SM programs. Fixed for a GPU model and shape, so the fp32 partial sums add up in the same order
+    every step."""
+    segments = 1
+    while segments < MAX_SEGMENTS and row_blocks * segments < PROGRAMS_PER_SM * multiprocessors:
+        segments *= 2
+    return segments
+
+
+def _segments(n: int, bn: int, segments: int, row_blocks: int = 1, device: torch.device | None = None
+              ) -> tuple[int, int]:
+    """The width of a segment (a multiple of the tile width) and how many segments that makes (0: auto_segments)."""
+    if segments == 0:
+        segments = auto_segments(row_blocks, _multiprocessors(device))
     width = triton.cdiv(triton.cdiv(n, segments), bn) * bn
     return width, triton.cdiv(n, width)
 
@@ -172,7 +198,7 @@ def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
     bm, bn, warps, segments = tiles or TILES["forward"]
-    width, segments = _segments(n, bn, segments)
+    width, segments = _segments(n, bn, segments, triton.cdiv(m, bm), g0.device)
     h, ha = g0.new_empty(m, n), g0.new_empty(segments, m, r, dtype=torch.float32)
     _swiglu_fwd_kernel[(triton.cdiv(m, bm), segments)](
         g0, u0, xa, bg, bu, ad, h, ha, m, n, width, g0.stride(0), u0.stride(0), xa.stride(0), h.stride(0), sg, su,
@@ -184,7 +210,7 @@ def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
 def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
     bm, bn, warps, segments = tiles or TILES["backward"]
-    width, segments = _segments(n, bn, segments)
+    width, segments = _segments(n, bn, segments, triton.cdiv(m, bm), g0.device)
     dg, du, h = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n)
     dxa = g0.new_empty(segments, m, 2 * r, dtype=torch.float32)
     _swiglu_bwd_kernel[(triton.cdiv(m, bm), segments)](
