@@ -106,7 +106,30 @@ def main() -> int:
     print(f"the {a.top} longest kernels, ms a step:")
     for name, ms in by_name.most_common(a.top):
         print(f"  {ms:8.2f}  {kind(name)[:10]:10s}  {name[:120]}")
+    gaps(prof, a.profile, a.top)
     return 0
+
+
+def gaps(prof, steps: int, top: int) -> None:
+    """Where the GPU idles: the gaps between one kernel's end and the next kernel's start (over the union of the
+    kernels' intervals, so overlapping streams count once), summed a step, and the longest with their neighbours."""
+    import torch
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return
+    found, end, last = [], kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            found.append(((start - end) / 1e3, last, name))
+        if stop > end:
+            end, last = stop, name
+    idle = sum(g for g, _, _ in found) / steps
+    print(f"GPU idle between kernels: {idle:.2f} ms a step over {len(found) / steps:.0f} gaps a step "
+          f"({sum(g for g, _, _ in found if g >= 0.05) / steps:.2f} ms in gaps of 50 us or more); the longest:")
+    for gap, before, after in sorted(found, reverse=True)[:top]:
+        print(f"  {gap:8.3f} ms  after {before[:60]}  before {after[:60]}")
 
 
 if __name__ == "__main__":
