@@ -51,6 +51,8 @@ def build(hidden: int, inter: int, rank: int, dtype: torch.dtype):
 
 SWEEP = [(bm, bn, w, s) for bm, bn, w in ((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4))
          for s in (1, 2, 4, 8)]
+# --stages: the default tiles, their segments chosen per GPU (0), at each software-pipeline depth
+STAGES = [(64, 64, w, 0, st) for w in (4, 8) for st in (1, 2, 3, 4, 5)]
 
 
 def profile(fn, name: str) -> None:
@@ -112,7 +114,7 @@ def kernels(a, m: int, inter: int, sums: dict) -> None:
           f"h {rel(b1[2], b0[2]):.1e}, dxa {rel(b1[3], b0[3]):.1e}")
     if a.sweep:
         mine = {}
-        for tiles in SWEEP:
+        for tiles in STAGES if a.stages else SWEEP:
             f = timed(lambda t=tiles, args=args: lora_mlp._forward_triton(*args, tiles=t), a.warmup, a.iters)
             b = timed(lambda t=tiles, bargs=bargs: lora_mlp._backward_triton(*bargs, tiles=t), a.warmup,
                       a.iters)
@@ -165,6 +167,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--eager", action="store_true", help="do not compile the modules")
     ap.add_argument("--sweep", action="store_true", help="time the kernels at several tile shapes")
+    ap.add_argument("--stages", action="store_true", help="with --sweep: the default tiles at several pipeline "
+                    "depths (num_stages) instead")
     ap.add_argument("--profile", action="store_true", help="CUDA kernel times of one forward + backward of each")
     ap.add_argument("--kernels-only", action="store_true", help="time the two kernels alone, not the modules")
     ap.add_argument("--registers", action="store_true",

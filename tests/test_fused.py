@@ -856,8 +856,9 @@ from tunesmith import lora_mlp as L
 torch.manual_seed(0)
 worst = 0.0
 shapes = [(70, 200, 8, torch.float32), (33, 130, 5, torch.float32), (64, 256, 16, torch.float16)]
-# a row's width in one tile; in several (the sums run across them); in segments of several (summed afterwards)
-tiles = [(32, 256, 4, 1), (16, 64, 4, 1), (16, 32, 4, 3)]
+# a row's width in one tile; in several (the sums run across them; a pipeline depth given); in segments of several
+# (summed afterwards)
+tiles = [(32, 256, 4, 1), (16, 64, 4, 1, 2), (16, 32, 4, 3)]
 for (m, n, r, dt), t in itertools.product(shapes, tiles):
     g0, u0, dh0 = (torch.randn(m, n, dtype=dt) for _ in range(3))
     xa, dyb = torch.randn(m, 2 * r, dtype=dt), torch.randn(m, r, dtype=dt)

@@ -191,25 +191,29 @@ def _segments(n: int, bn: int, segments: int, row_blocks: int = 1, device: torch
     return width, triton.cdiv(n, width)
 
 
+def _stages(stages: list[int]) -> dict:
+    return {"num_stages": stages[0]} if stages else {}  # none given: Triton's default
+
+
 def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (parts[0] if parts.shape[0] == 1 else parts.sum(0)).to(dtype)
 
 
 def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
-    bm, bn, warps, segments = tiles or TILES["forward"]
+    bm, bn, warps, segments, *stages = tiles or TILES["forward"]  # a 5th value: software-pipeline stages
     width, segments = _segments(n, bn, segments, triton.cdiv(m, bm), g0.device)
     h, ha = g0.new_empty(m, n), g0.new_empty(segments, m, r, dtype=torch.float32)
     _swiglu_fwd_kernel[(triton.cdiv(m, bm), segments)](
         g0, u0, xa, bg, bu, ad, h, ha, m, n, width, g0.stride(0), u0.stride(0), xa.stride(0), h.stride(0), sg, su,
         R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), num_warps=warps,
-        enable_fp_fusion=FMA)
+        enable_fp_fusion=FMA, **_stages(stages))
     return h, _summed(ha, g0.dtype)
 
 
 def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
-    bm, bn, warps, segments = tiles or TILES["backward"]
+    bm, bn, warps, segments, *stages = tiles or TILES["backward"]  # a 5th value: software-pipeline stages
     width, segments = _segments(n, bn, segments, triton.cdiv(m, bm), g0.device)
     dg, du, h = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n)
     dxa = g0.new_empty(segments, m, 2 * r, dtype=torch.float32)
@@ -217,7 +221,7 @@ def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
         dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, width, dh0.stride(0), dyb.stride(0), g0.stride(0),
         u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
         BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), num_warps=warps,
-        enable_fp_fusion=FMA)
+        enable_fp_fusion=FMA, **_stages(stages))
     return dg, du, h, _summed(dxa, g0.dtype)
 
 
