@@ -54,7 +54,8 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 QV = ("q_proj", "v_proj")
 TOOLS = ["tunesmith", "tunesmith-plain", "hf", "liger", "unsloth"]
 PLAIN_FLAGS = {"fused_loss": False, "liger": False, "compile": "off", "fused_adamw": False, "fused_lora": "off",
-               "fused_qkv": False, "recompute": False, "fused_mlp": "off"}
+               "fused_qkv": False, "recompute": False, "fused_mlp": "off",
+               "overlap_steps": False}
 # Every process runs offline and silent; UNSLOTH_DISABLE_STATISTICS stops Unsloth's environment ping at load.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1", "UNSLOTH_DISABLE_STATISTICS": "1",

@@ -370,3 +370,68 @@ def test_the_on_device_step_with_early_batches_resumes_exactly(tmp_path, tiny_di
     assert again.losses == ref.losses and len(ref.losses) == 6 and ref.losses[-1] < ref.losses[0]
     a, b = _weights(ref.adapter_dir, "adapter_model.safetensors"), _weights(again.adapter_dir, "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _adapter(result) -> dict:
+    return _weights(result.adapter_dir, "adapter_model.safetensors")
+
+
+def test_overlapped_steps_train_bit_for_bit_as_steps_read_one_by_one(tmp_path, tiny_dir, text_file, monkeypatch):
+    """--overlap-steps (the on-device skip's path, taken on the CPU): the next step's passes are launched before
+    this step's loss is read, except before a checkpoint, an evaluation or the end; the losses, the evaluations
+    and the adapter are those of the run that reads each step first, bit for bit (dropout and accumulation on)."""
+    T = importlib.import_module("tunesmith.train")
+    _fused_adamw_on_the_cpu(monkeypatch)
+    events, launch = [], T._launch_early
+    monkeypatch.setattr(T, "_launch_early", lambda *a: events.append(("early", a[2].step)) or launch(*a))
+    kw = dict(max_steps=7, checkpoint_every=3, eval_every=5, grad_accum=2, batch_size=1, lora_dropout=0.05)
+    on = train(tiny_train_config(tmp_path / "on", tiny_dir, text_file, **kw), progress=False,
+               callback=lambda r: events.append(("done", r.step)))
+    # step k + 1 (0-based k) goes out before step k is done, except after steps 3 and 6 (checkpoints), 5 (an
+    # evaluation) and 7 (the end)
+    assert events == [("early", 1), ("done", 1), ("early", 2), ("done", 2), ("done", 3), ("early", 4), ("done", 4),
+                      ("done", 5), ("done", 6), ("done", 7)]
+    events.clear()
+    off = train(tiny_train_config(tmp_path / "off", tiny_dir, text_file, overlap_steps=False, **kw), progress=False)
+    assert not events
+    assert on.losses == off.losses and len(on.losses) == 7 and on.losses[-1] < on.losses[0]
+    assert [(s, e.loss) for s, e in on.evals] == [(s, e.loss) for s, e in off.evals] and len(on.evals) == 2
+    a, b = _adapter(on), _adapter(off)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_signal_during_an_overlapped_step_checkpoints_the_next_and_resumes_exactly(tmp_path, tiny_dir, text_file,
+                                                                                    monkeypatch):
+    """A stop signal that lands while the next step's passes are already launched (whose dropout has drawn from the
+    random state a checkpoint saves) is taken at the end of that next step: the checkpoint is complete, and the
+    resumed run gives the uninterrupted run's losses and adapter bit for bit."""
+    import os
+    import shutil
+
+    from tunesmith.errors import Interrupted
+
+    T = importlib.import_module("tunesmith.train")
+    _fused_adamw_on_the_cpu(monkeypatch)
+    launch, landed = T._launch_early, []
+
+    def signalling(*a):
+        out = launch(*a)
+        if a[2].step == 1:  # (0-based: step 2's passes, launched at the end of step 1)
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal, to the handler train() installed
+            landed.append(a[2].step)
+        return out
+
+    kw = dict(max_steps=5, checkpoint_every=0, lora_dropout=0.05)
+    ref = train(tiny_train_config(tmp_path / "ref", tiny_dir, text_file, **kw), progress=False)
+    monkeypatch.setattr(T, "_launch_early", signalling)
+    with pytest.raises(Interrupted) as e:
+        train(tiny_train_config(tmp_path / "cut", tiny_dir, text_file, **kw), progress=False)
+    assert landed == [1] and "after step 2" in str(e.value)  # sent during step 1's end, taken after step 2
+    run = tmp_path / "cut" / "run"
+    assert ck.newest_checkpoint(run / "checkpoints").step == 2
+    monkeypatch.setattr(T, "_launch_early", launch)
+    again = train(tiny_train_config(tmp_path / "cut", tiny_dir, text_file, resume=True, **kw), progress=False)
+    assert again.losses == ref.losses and len(ref.losses) == 5
+    a, b = _adapter(ref), _adapter(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    shutil.rmtree(run)

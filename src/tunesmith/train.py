@@ -502,16 +502,21 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
         restore_rng(rng_of(run.ckpt, rank, world), run.device.type)
     unwrapped = acc.unwrap_model(model)
     ahead = None  # the next step's examples, and its micro-batches already on their way to the device
+    early = None  # the next step, its forward and backward passes launched before this step's loss was read
     with bar, StopSignals() as stop:
         while step < schedule.total:
-            t0 = time.perf_counter()
-            if ahead is not None and ahead.step == step:
-                mine, n_tokens = ahead.examples, ahead.n_tokens
-                ready = ahead.batches if ahead.batch_size == batch_size else None
+            launched = early is not None
+            if launched:
+                (mine, n_tokens, step_loss, t0), early = early, None
             else:
-                (mine, n_tokens), ready = _examples_of(run, cfg.seed, step, rank, world), None
-            ahead = None
-            while True:  # out of memory: halve the micro-batch, double the accumulation, redo this step afresh
+                t0 = time.perf_counter()
+                if ahead is not None and ahead.step == step:
+                    mine, n_tokens = ahead.examples, ahead.n_tokens
+                    ready = ahead.batches if ahead.batch_size == batch_size else None
+                else:
+                    (mine, n_tokens), ready = _examples_of(run, cfg.seed, step, rank, world), None
+                ahead = None
+            while not launched:  # out of memory: halve the micro-batch, double the accumulation, redo the step
                 try:
                     step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss, run.graphed,
                                             ready, run.packed)
@@ -541,6 +546,9 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                     examples, count = _examples_of(run, cfg.seed, step + 1, rank, world)
                     ahead = _Ahead(step + 1, examples, count, batch_size,
                                    _device_batches(examples, batch_size, run.pad_id, acc.device, run.packed))
+                    if overlaps(cfg, step + 1, schedule.total, bool(data.valid)) and stop.signum is None:
+                        early = _launch_early(model, acc, ahead, run, loss, optimizer)
+                        ahead = None
                 step_loss, grad_norm = stats.tolist()  # the step's one wait for the device
                 bad = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
                 if not bad:
@@ -554,10 +562,13 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             bad_streak = bad_streak + 1 if bad else 0
-            synchronize(acc.device)  # an accelerator runs ahead of Python: time the step, not its launch
+            if early is None:  # (with the next step launched, the read above was the step's end on the device)
+                synchronize(acc.device)  # an accelerator runs ahead of Python: time the step, not its launch
             step += 1
-            elapsed = time.perf_counter() - started
-            dt = time.perf_counter() - t0
+            now = time.perf_counter()
+            elapsed, dt = now - started, now - t0
+            if early is not None:
+                early = (*early, now)  # the next step's time runs from here
             if bad_streak:  # logged as a skip, not as a training step; max_bad_steps in a row end the run
                 _skipped(step, step_loss, grad_norm, bad_streak, cfg, log, run.say, run.saver)
             else:
@@ -587,7 +598,9 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             # A checkpoint every N steps, at the end, and when a stop signal came in during this step: the step is
             # complete (all its micro-batches), so weights, optimizer state and data position agree. Every DDP
             # process must agree to stop, or the others would wait for it forever.
-            stopping = _any_process(acc, stop.signum is not None)
+            # (with the next step launched, its dropout has drawn from the random state a checkpoint would save: a
+            # signal is taken at the end of that step instead)
+            stopping = _any_process(acc, stop.signum is not None and early is None)
             if last or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 state = TrainState(step=step, schedule_total=schedule.total, planned_total=run.planned_total,
                                    tokens=result.tokens, elapsed=time.perf_counter() - started, bad_streak=bad_streak,
@@ -822,6 +835,35 @@ def skips_on_device(optimizer, accelerator) -> bool:
     inner = getattr(optimizer, "optimizer", optimizer)
     return (type(inner) is torch.optim.AdamW and bool(inner.defaults.get("fused")) and accelerator.num_processes == 1
             and accelerator.scaler is None)
+
+
+def overlaps(cfg: TrainConfig, number: int, total: int, evaluates: bool) -> bool:
+    """Whether the step that ends as step `number` lets the next step's forward and backward passes start before
+    its loss and gradient norm are read (--overlap-steps; only where the update's skip is taken on the device, so
+    nothing the next passes compute depends on the read): not the last step, nor one that evaluates, checkpoints
+    or times the run for --time-budget, whose work must see the random state and weights of this step alone."""
+    return bool(cfg.overlap_steps and number < total
+                and not (evaluates and cfg.eval_every and number % cfg.eval_every == 0)
+                and not (cfg.checkpoint_every and number % cfg.checkpoint_every == 0)
+                and not (cfg.time_budget and number == CALIBRATION_STEPS))
+
+
+def _launch_early(model, accelerator, ahead: _Ahead, run: Run, loss_fn: LossFn, optimizer) -> tuple | None:
+    """The next step's forward and backward passes, launched behind this step's update: (examples, supervised
+    tokens, its loss on the device). Out of memory: None, and the step is made again the usual way (which halves
+    the micro-batch)."""
+    try:
+        step_loss = _accumulate(model, accelerator, ahead.examples, ahead.batch_size, ahead.n_tokens, run.pad_id,
+                                loss_fn, run.graphed, ahead.batches, run.packed)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        step_loss = None
+    if step_loss is None:
+        optimizer.zero_grad(set_to_none=True)  # outside the handler: the traceback's activations are gone
+        free_memory(accelerator.device)
+        return None
+    return ahead.examples, ahead.n_tokens, step_loss
 
 
 def _step_on_device(optimizer, step_loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
