@@ -377,7 +377,7 @@ def _adapter(result) -> dict:
 
 
 def test_overlapped_steps_train_bit_for_bit_as_steps_read_one_by_one(tmp_path, tiny_dir, text_file, monkeypatch):
-    """--overlap-steps (the on-device skip's path, taken on the CPU): the next step's passes are launched before
+    """--overlap-steps (the on-device skip's path, taken on the CPU; off by default): the next step's passes are launched before
     this step's loss is read, except before a checkpoint, an evaluation or the end; the losses, the evaluations
     and the adapter are those of the run that reads each step first, bit for bit (dropout and accumulation on)."""
     T = importlib.import_module("tunesmith.train")
@@ -385,14 +385,14 @@ def test_overlapped_steps_train_bit_for_bit_as_steps_read_one_by_one(tmp_path, t
     events, launch = [], T._launch_early
     monkeypatch.setattr(T, "_launch_early", lambda *a: events.append(("early", a[2].step)) or launch(*a))
     kw = dict(max_steps=7, checkpoint_every=3, eval_every=5, grad_accum=2, batch_size=1, lora_dropout=0.05)
-    on = train(tiny_train_config(tmp_path / "on", tiny_dir, text_file, **kw), progress=False,
+    on = train(tiny_train_config(tmp_path / "on", tiny_dir, text_file, overlap_steps=True, **kw), progress=False,
                callback=lambda r: events.append(("done", r.step)))
     # step k + 1 (0-based k) goes out before step k is done, except after steps 3 and 6 (checkpoints), 5 (an
     # evaluation) and 7 (the end)
     assert events == [("early", 1), ("done", 1), ("early", 2), ("done", 2), ("done", 3), ("early", 4), ("done", 4),
                       ("done", 5), ("done", 6), ("done", 7)]
     events.clear()
-    off = train(tiny_train_config(tmp_path / "off", tiny_dir, text_file, overlap_steps=False, **kw), progress=False)
+    off = train(tiny_train_config(tmp_path / "off", tiny_dir, text_file, **kw), progress=False)  # the default
     assert not events
     assert on.losses == off.losses and len(on.losses) == 7 and on.losses[-1] < on.losses[0]
     assert [(s, e.loss) for s, e in on.evals] == [(s, e.loss) for s, e in off.evals] and len(on.evals) == 2
@@ -421,7 +421,7 @@ def test_a_signal_during_an_overlapped_step_checkpoints_the_next_and_resumes_exa
             landed.append(a[2].step)
         return out
 
-    kw = dict(max_steps=5, checkpoint_every=0, lora_dropout=0.05)
+    kw = dict(max_steps=5, checkpoint_every=0, lora_dropout=0.05, overlap_steps=True)
     ref = train(tiny_train_config(tmp_path / "ref", tiny_dir, text_file, **kw), progress=False)
     monkeypatch.setattr(T, "_launch_early", signalling)
     with pytest.raises(Interrupted) as e:

@@ -273,10 +273,10 @@ class TrainConfig(DataConfig, ModelConfig):
                             "for Llama-family models where the layers run eagerly (CPU, MPS, --compile off); on; off",
                             choices=["auto", "on", "off"])
     fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
-    overlap_steps: bool = opt(True, "with the fused AdamW on one CUDA GPU: launch the next step's forward and backward "
-                              "passes before reading this step's loss and gradient norm, so the GPU does not wait "
-                              "for Python between steps (steps that evaluate, checkpoint or end the run read first; "
-                              "the same losses either way)")
+    overlap_steps: bool = opt(False, "with the fused AdamW on one CUDA GPU: launch the next step's forward and "
+                              "backward passes before reading this step's loss and gradient norm, so the GPU need "
+                              "not wait for Python between steps (steps that evaluate, checkpoint or end the run "
+                              "read first; the same losses either way). Off by default: not yet measured faster")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",
         bounds=COUNT,

@@ -546,10 +546,13 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                     examples, count = _examples_of(run, cfg.seed, step + 1, rank, world)
                     ahead = _Ahead(step + 1, examples, count, batch_size,
                                    _device_batches(examples, batch_size, run.pad_id, acc.device, run.packed))
-                    if overlaps(cfg, step + 1, schedule.total, bool(data.valid)) and stop.signum is None:
-                        early = _launch_early(model, acc, ahead, run, loss, optimizer)
-                        ahead = None
-                step_loss, grad_norm = stats.tolist()  # the step's one wait for the device
+                read = stats.tolist
+                if ahead is not None and overlaps(cfg, step + 1, schedule.total, bool(data.valid)) \
+                        and stop.signum is None:
+                    read = _read_later(stats)  # queued before the next step's kernels, so it need not wait for them
+                    early = _launch_early(model, acc, ahead, run, loss, optimizer)
+                    ahead = None
+                step_loss, grad_norm = read()  # the step's one wait for the device
                 bad = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
                 if not bad:
                     scheduler.step()
@@ -846,6 +849,25 @@ def overlaps(cfg: TrainConfig, number: int, total: int, evaluates: bool) -> bool
                 and not (evaluates and cfg.eval_every and number % cfg.eval_every == 0)
                 and not (cfg.checkpoint_every and number % cfg.checkpoint_every == 0)
                 and not (cfg.time_budget and number == CALIBRATION_STEPS))
+
+
+def _read_later(stats: torch.Tensor):
+    """A device tensor's values, copied to the host now (on CUDA: into pinned memory, behind the work already
+    queued, with an event after it) and read when the returned function is called: waiting for this copy alone,
+    not for what is queued after it, as `tolist()` then would (it copies at the end of the stream)."""
+    if stats.device.type != "cuda":
+        values = stats.tolist()
+        return lambda: values
+    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read():
+        done.synchronize()
+        return host.tolist()
+
+    return read
 
 
 def _launch_early(model, accelerator, ahead: _Ahead, run: Run, loss_fn: LossFn, optimizer) -> tuple | None:
