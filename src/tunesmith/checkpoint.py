@@ -50,7 +50,7 @@ PREFIX = "step-"
 # Settings that change how a run is kept or logged, not what it computes: they may differ on resume without a word.
 BOOKKEEPING = frozenset({"output", "resume", "on_config_mismatch", "keep", "checkpoint_every", "log_every",
                          "eval_every", "eval_batches", "allow_pickle", "max_bad_steps", "device", "precision",
-                         "gpus", "strategy", "dist_timeout"})
+                         "gpus", "strategy", "dist_timeout", "overlap_steps"})
 Echo = Callable[[str], None]
 
 
