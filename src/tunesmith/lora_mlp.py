@@ -143,7 +143,7 @@ if triton is not None:
         tl.store(out + R, su * dxa_u, mask=a_mask)
 
 
-# BLOCK_M, BLOCK_N, warps, width segments (bench/lora_mlp.py --sweep)
+# BLOCK_M, BLOCK_N, warps, width segments[, pipeline stages] (bench/lora_mlp.py --sweep)
 # Segments 0: as many as it takes for PROGRAMS_PER_SM programs on each multiprocessor (a power of two, at most
 # MAX_SEGMENTS). On an H200 that is 4 for the 1B row's 256 row blocks and 8 for the 8B row's 128, the fastest or
 # within noise of it for both kernels (bench/results/h200-2026-12-02-lora-mlp-sweep2.txt); one segment left the 8B
@@ -191,8 +191,13 @@ def _segments(n: int, bn: int, segments: int, row_blocks: int = 1, device: torch
     return width, triton.cdiv(n, width)
 
 
-def _stages(stages: list[int]) -> dict:
-    return {"num_stages": stages[0]} if stages else {}  # none given: Triton's default
+def _layout(tiles: tuple, m: int, n: int, device: torch.device) -> tuple[int, int, int, tuple[int, int], dict]:
+    """A tile layout (BLOCK_M, BLOCK_N, warps, segments[, pipeline stages]) for an m x n problem: BLOCK_M, BLOCK_N,
+    the segment width, the grid, and the launch options (no stages given: Triton's default)."""
+    bm, bn, warps, segments, *stages = tiles
+    width, segments = _segments(n, bn, segments, triton.cdiv(m, bm), device)
+    options = {"num_warps": warps, "enable_fp_fusion": FMA, **({"num_stages": stages[0]} if stages else {})}
+    return bm, bn, width, (triton.cdiv(m, bm), segments), options
 
 
 def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -201,27 +206,23 @@ def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
-    bm, bn, warps, segments, *stages = tiles or TILES["forward"]  # a 5th value: software-pipeline stages
-    width, segments = _segments(n, bn, segments, triton.cdiv(m, bm), g0.device)
-    h, ha = g0.new_empty(m, n), g0.new_empty(segments, m, r, dtype=torch.float32)
-    _swiglu_fwd_kernel[(triton.cdiv(m, bm), segments)](
+    bm, bn, width, grid, options = _layout(tiles or TILES["forward"], m, n, g0.device)
+    h, ha = g0.new_empty(m, n), g0.new_empty(grid[1], m, r, dtype=torch.float32)  # a slot for each segment
+    _swiglu_fwd_kernel[grid](
         g0, u0, xa, bg, bu, ad, h, ha, m, n, width, g0.stride(0), u0.stride(0), xa.stride(0), h.stride(0), sg, su,
-        R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), num_warps=warps,
-        enable_fp_fusion=FMA, **_stages(stages))
+        R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), **options)
     return h, _summed(ha, g0.dtype)
 
 
 def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
-    bm, bn, warps, segments, *stages = tiles or TILES["backward"]  # a 5th value: software-pipeline stages
-    width, segments = _segments(n, bn, segments, triton.cdiv(m, bm), g0.device)
+    bm, bn, width, grid, options = _layout(tiles or TILES["backward"], m, n, g0.device)
     dg, du, h = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n)
-    dxa = g0.new_empty(segments, m, 2 * r, dtype=torch.float32)
-    _swiglu_bwd_kernel[(triton.cdiv(m, bm), segments)](
+    dxa = g0.new_empty(grid[1], m, 2 * r, dtype=torch.float32)
+    _swiglu_bwd_kernel[grid](
         dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, width, dh0.stride(0), dyb.stride(0), g0.stride(0),
         u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
-        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), num_warps=warps,
-        enable_fp_fusion=FMA, **_stages(stages))
+        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), **options)
     return dg, du, h, _summed(dxa, g0.dtype)
 
 

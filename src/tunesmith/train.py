@@ -578,7 +578,7 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                 result.losses.append(step_loss)
                 result.tokens += n_tokens
             tps = n_tokens / dt
-            if cfg.time_budget and step == CALIBRATION_STEPS and schedule.total > step:
+            if _calibrates(cfg, step) and schedule.total > step:
                 # Steps 2..3 are warm: fit the run into the budget (never below --min-steps) and let the cosine
                 # decay end at the new horizon.
                 # (the main process's pace decides, or the processes would plan different lengths)
@@ -590,7 +590,7 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                           tokens_per_s=tps, elapsed_s=elapsed, peak_mem_bytes=peak_memory_bytes(acc.device))
             bar.update(task, advance=1, loss=step_loss, tps=tps)
             last = step == schedule.total
-            if data.valid and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
+            if data.valid and (_evaluates(cfg, step) or last):
                 # graphed layers are recorded for training; evaluation (no gradients) runs them eagerly
                 with eager_layers(unwrapped) if run.graphed else nullcontext():
                     ev = evaluate(unwrapped, data.valid, batch_size, cfg.eval_batches, run.pad_id, (rank, world),
@@ -604,7 +604,7 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
             # (with the next step launched, its dropout has drawn from the random state a checkpoint would save: a
             # signal is taken at the end of that step instead)
             stopping = _any_process(acc, stop.signum is not None and early is None)
-            if last or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            if last or stopping or _checkpoints(cfg, step):
                 state = TrainState(step=step, schedule_total=schedule.total, planned_total=run.planned_total,
                                    tokens=result.tokens, elapsed=time.perf_counter() - started, bad_streak=bad_streak,
                                    run_id=state.run_id, batch_size=batch_size, per_step=run.per_step, world=world)
@@ -840,15 +840,26 @@ def skips_on_device(optimizer, accelerator) -> bool:
             and accelerator.scaler is None)
 
 
+def _evaluates(cfg: TrainConfig, number: int) -> bool:  # (and the last step, where there is validation data)
+    return bool(cfg.eval_every and number % cfg.eval_every == 0)
+
+
+def _checkpoints(cfg: TrainConfig, number: int) -> bool:  # (and the last step, and a stop)
+    return bool(cfg.checkpoint_every and number % cfg.checkpoint_every == 0)
+
+
+def _calibrates(cfg: TrainConfig, number: int) -> bool:  # the step after which --time-budget resizes the run
+    return bool(cfg.time_budget and number == CALIBRATION_STEPS)
+
+
 def overlaps(cfg: TrainConfig, number: int, total: int, evaluates: bool) -> bool:
     """Whether the step that ends as step `number` lets the next step's forward and backward passes start before
     its loss and gradient norm are read (--overlap-steps; only where the update's skip is taken on the device, so
-    nothing the next passes compute depends on the read): not the last step, nor one that evaluates, checkpoints
-    or times the run for --time-budget, whose work must see the random state and weights of this step alone."""
-    return bool(cfg.overlap_steps and number < total
-                and not (evaluates and cfg.eval_every and number % cfg.eval_every == 0)
-                and not (cfg.checkpoint_every and number % cfg.checkpoint_every == 0)
-                and not (cfg.time_budget and number == CALIBRATION_STEPS))
+    nothing the next passes compute depends on the read): not the last step, nor one that evaluates (`evaluates`:
+    the run has validation data), checkpoints or times the run for --time-budget, whose work must see the random
+    state and weights of this step alone. The same tests as the loop's own."""
+    return (cfg.overlap_steps and number < total and not (evaluates and _evaluates(cfg, number))
+            and not _checkpoints(cfg, number) and not _calibrates(cfg, number))
 
 
 def _read_later(stats: torch.Tensor):
