@@ -4,10 +4,14 @@ The row's model, data and settings are train_throughput's own (random weights of
 unless --dropout says otherwise, --ts-flags as there). torch.profiler records --profile steps after --skip
 steps (compilation, CUDA graph capture and allocator growth left out); the CUDA kernels' time is then summed by
 kind (matrix products, attention, Triton kernels: Inductor's and Liger's, copies, the rest) and the --top kernels
-are listed. Needs a CUDA device and what train_throughput's tunesmith worker needs.
+are listed, then where the GPU idles between kernels. `--shapes` adds the products by operand shapes (only
+those that run outside compiled layers: inside them the compiled graph launches its products itself), `--who TEXT`
+the host operators that launched the kernels whose names contain TEXT. Needs a CUDA device and what
+train_throughput's tunesmith worker needs.
 
     python bench/profile_step.py --row llama-1b
     python bench/profile_step.py --row llama-8b --ts-flags recompute=false --top 20
+    python bench/profile_step.py --row llama-8b --who memcpy
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=9, help="steps before the profile starts")
     ap.add_argument("--profile", type=int, default=3, help="steps profiled")
     ap.add_argument("--top", type=int, default=25, help="kernels listed")
+    ap.add_argument("--shapes", action="store_true",
+                    help="also list the matrix products by operator and operand shapes, with their TFLOP/s")
+    ap.add_argument("--who", default="",
+                    help="also list the host operators (with operand shapes) that launched kernels whose name "
+                         "contains this text")
     ap.add_argument("--workdir", default="/tmp/tt-bench")
     a = ap.parse_args()
 
@@ -60,7 +69,8 @@ def main() -> int:
     steps = a.skip + a.profile + 1
     data = tt.examples(row, steps, folder)
     prof = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+        record_shapes=a.shapes or bool(a.who),
     )
     train = train_module.train
 
@@ -107,7 +117,53 @@ def main() -> int:
     for name, ms in by_name.most_common(a.top):
         print(f"  {ms:8.2f}  {kind(name)[:10]:10s}  {name[:120]}")
     gaps(prof, a.profile, a.top)
+    if a.shapes:
+        products(prof, a.profile, a.top)
+    if a.who:
+        launchers(prof, a.who, a.profile, a.top)
     return 0
+
+
+def launchers(prof, text: str, steps: int, top: int) -> None:
+    """The host operators whose kernels' names contain `text`, with their operand shapes and device time."""
+    found: collections.Counter = collections.Counter()
+    for event in prof.events():
+        for k in getattr(event, "kernels", []):
+            if text in k.name:
+                found[(event.name, str(event.input_shapes)[:140])] += k.duration / 1e3 / steps
+    print(f"host operators launching kernels named *{text}*, ms a step:")
+    for (name, shapes), ms in found.most_common(top):
+        print(f"  {ms:8.2f}  {name}  {shapes}")
+
+
+def product_flops(shapes: list) -> float:
+    """2 m k n for the first two chained 2-D operands of a product ([m, k] then [k, n]), else 0."""
+    mats = [s for s in shapes if isinstance(s, list | tuple) and len(s) == 2]
+    for x, y in zip(mats, mats[1:], strict=False):
+        if x[1] == y[0]:
+            return 2.0 * x[0] * x[1] * y[1]
+    return 0.0
+
+
+def products(prof, steps: int, top: int) -> None:
+    """The matrix products' device time by operator and operand shapes (the kernels each launched, summed), with
+    the rate each shape ran at: which products fall short of the rest."""
+    import torch  # noqa: F401  (the profiler's events)
+
+    rows = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key not in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear",
+                             "aten::matmul"):
+            continue
+        ms = event.device_time_total / 1e3 / steps
+        if ms <= 0 or event.key in ("aten::linear", "aten::matmul"):  # counted under the mm/addmm they call
+            continue
+        flops = product_flops(event.input_shapes) * event.count / steps
+        rows.append((ms, event.key, event.count // steps, event.input_shapes, flops / (ms / 1e3) / 1e12))
+    total = sum(r[0] for r in rows)
+    print(f"matrix products by shape: {total:.1f} ms a step; the {top} longest (ms a step, calls a step, TFLOP/s):")
+    for ms, key, count, shapes, rate in sorted(rows, key=lambda r: r[0], reverse=True)[:top]:
+        print(f"  {ms:8.2f}  {count:4d}  {rate:6.0f}  {key[6:]:7s} {shapes}")
 
 
 def gaps(prof, steps: int, top: int) -> None:

@@ -3,8 +3,8 @@
 Every tool trains the same LoRA on the same token blocks, in the same order, for the same number of optimizer
 steps, each in its own process (Liger and Unsloth patch transformers classes globally). Per tool and row:
 
-- tokens/s: micro-batch x seq tokens per step over the mean step time after the warm-up steps (the clock
-  reads at each step's end, after a CUDA synchronize);
+- tokens/s: micro-batch x seq tokens per step over the mean step time after the warm-up steps, the last step
+  left out (the clock reads at each step's end, after a CUDA synchronize);
 - peak memory: torch.cuda.max_memory_allocated over the whole run on CUDA (loading included), the process's
   peak RSS (ru_maxrss) on the CPU;
 - MFU (CUDA): FLOPs per token x tokens/s over the bf16 matmul peak measured first (8192^3 torch.matmul).
@@ -287,7 +287,10 @@ def worker(a) -> dict:
     data = examples(row, a.steps, folder)
     run = run_tunesmith if a.worker.startswith("tunesmith") else run_trainer
     times, losses, trainable, notes = run(a, row, folder, data)
-    timed = times[a.warmup:] or times
+    # The last step is left out too: with --overlap-steps each step's time is taken when the next step's loss
+    # has been launched, which waits on Liger's loss (a host read) partway into that step, while the last step
+    # ends with no next one, so it alone would count only the part after that point.
+    timed = times[a.warmup:-1] or times
     tps = row.batch * row.seq / (sum(timed) / len(timed))
     peak = (torch.cuda.max_memory_allocated() if a.device == "cuda"  # the whole run's, loading included
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -446,7 +449,7 @@ def main() -> int:
     ap.add_argument("--dropout", default="0,0.05", help="LoRA dropouts, comma-separated (a run for each)")
     ap.add_argument("--steps", type=int, default=0, help="optimizer steps per run (default: cuda 30, cpu 12)")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="first steps left out of the timing (default: cuda 5, cpu 3)")
+                    help="first steps left out of the timing, as is the last (default: cuda 5, cpu 3)")
     ap.add_argument("--ts-flags", default="",
                     help="TrainConfig fields for tunesmith and tunesmith-plain, e.g. 'compile=on,seed=1' "
                     "(tunesmith-plain then sets PLAIN_FLAGS over them)")

@@ -941,6 +941,42 @@ def test_the_lora_aware_mlp_is_chosen_on_cuda_with_triton(setting, device, trito
     assert T.uses_fused_mlp(TrainConfig(fused_mlp=setting), device) is expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_sum_equals_the_addmm_chain_and_its_gradients(dtype):
+    """x W^T + s (x A^T) B^T as products_sum (the second product added in place) gives addmm's bits and gradients,
+    and skips the gradient of an operand that needs none (the frozen weight)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tunesmith.lora_mlp import products_sum
+
+    g = torch.Generator().manual_seed(0)
+    m, k, n, r = 10, 16, 12, 4
+    x, xa, b = (torch.randn(*s, generator=g).to(dtype).requires_grad_() for s in ((m, k), (m, r), (n, r)))
+    w = torch.randn(n, k, generator=g).to(dtype)  # frozen
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    want = torch.addmm(x @ w.t(), xa, b.t(), alpha=0.5)
+    want_grads = torch.autograd.grad(want, [x, xa, b], dy)
+    got = products_sum([x, w.t(), xa, b.t()], [1.0, 0.5])
+    with FlopCounterMode(display=False) as count:
+        got_grads = torch.autograd.grad(got, [x, xa, b], dy)
+    assert torch.equal(got, want)
+    for a, e in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert count.get_total_flops() == 2 * m * n * (k + 2 * r)  # dx, d xa, d b: not W's
+
+
+def test_products_sum_of_three_scales_its_first_term_too():
+    from tunesmith.lora_mlp import products_sum
+
+    g = torch.Generator().manual_seed(1)
+    a, b, c, d, e, f = (torch.randn(*s, generator=g) for s in ((5, 3), (3, 4), (5, 2), (2, 4), (5, 6), (6, 4)))
+    got = products_sum([a, b, c, d, e, f], [2.0, 1.0, -0.5])
+    torch.testing.assert_close(got, 2 * a @ b + c @ d - 0.5 * e @ f)
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as count:
+        products_sum([a, b, c, d, e, f], [2.0, 1.0, -0.5])
+    assert count.get_total_flops() == 2 * 5 * 4 * (3 + 2 + 6)
+
+
 def test_the_lora_aware_mlp_skips_the_input_gradient_where_none_is_asked_for():
     """An MLP whose input needs no gradient (LoRA on MLPs only: the first one's input comes from frozen layers)
     skips the three products of the input's gradient, and its LoRA gradients stay the same."""

@@ -342,9 +342,11 @@ def _qkv_parts(module) -> list[str | None] | None:
 def _fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """LlamaAttention's training forward with q, k and v from one product: x [Wq; Wk; Wv]^T for the frozen
     weights, x [A..]^T for the LoRA down-projections together (the input read once, not once per adapter), and the
-    up-projections as one block-diagonal product added into the first (addmm; a projection without an adapter gets
-    a zero block). The same function as PEFT's layers (tests: loss and gradients); anything else -- a KV cache,
+    up-projections as one block-diagonal product added into the first in place (`lora_mlp.products_sum`; a
+    projection without an adapter gets a zero block). The same function as PEFT's layers (tests: loss and gradients); anything else -- a KV cache,
     adapters switched off or merged since -- goes through the model's own forward."""
+    from tunesmith.lora_mlp import products_sum
+
     names = _qkv_parts(self)
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     autocast = torch.is_autocast_enabled(hidden_states.device.type)
@@ -360,8 +362,11 @@ def _fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_
     b = torch.block_diag(*[layer.lora_B[n].weight * layer.scaling[n] if n else
                            layer.weight.new_zeros(layer.weight.shape[0], 0)
                            for layer, n in zip(layers, names, strict=True)])
-    qkv = torch.addmm(torch.nn.functional.linear(x, self.tunesmith_qkv_weight),
-                      torch.nn.functional.linear(x, a), b.t())
+    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    xa = torch.nn.functional.linear(x, a)
+    # x W^T + (x A^T) B^T, the second product added into the first in place (torch.addmm would copy the first)
+    qkv = products_sum([x.to(dtype), self.tunesmith_qkv_weight.to(dtype).t(), xa.to(dtype), b.to(dtype).t()],
+                       [1.0, 1.0])
     shape = (*hidden_states.shape[:-1], -1, self.head_dim)
     q, k, v = qkv.split(self.tunesmith_qkv_sizes, dim=-1)
     # v goes to the attention kernel as it is, which keeps it for the backward pass: a view would keep all of the
