@@ -34,7 +34,7 @@ CHECK_TOKENS = 16  # greedy tokens per prompt in the export's own check (parity 
 RELOAD_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2}
 
 # Hugging Face model types KerasHub 0.32 converts to a causal LM, among those tunesmith trains. Llama (SmolLM2
-# included) is verified (docs/EXPORT.md); for the others the export's parity check is what vouches for the result.
+# included) and Gemma 3 are verified (docs/EXPORT.md); for the others the export's parity check vouches for it.
 ARCHITECTURES = {
     "llama": "Llama 3", "mistral": "Mistral", "qwen2": "Qwen 2", "qwen3": "Qwen 3", "gemma": "Gemma",
     "gemma2": "Gemma 2", "gemma3": "Gemma 3", "gemma3_text": "Gemma 3", "smollm3": "SmolLM3",
