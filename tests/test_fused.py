@@ -947,7 +947,7 @@ def test_products_sum_equals_the_addmm_chain_and_its_gradients(dtype):
     and skips the gradient of an operand that needs none (the frozen weight)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from tunesmith.lora_mlp import products_sum
+    from tunesmith.products import products_sum
 
     g = torch.Generator().manual_seed(0)
     m, k, n, r = 10, 16, 12, 4
@@ -966,7 +966,7 @@ def test_products_sum_equals_the_addmm_chain_and_its_gradients(dtype):
 
 
 def test_products_sum_of_three_scales_its_first_term_too():
-    from tunesmith.lora_mlp import products_sum
+    from tunesmith.products import products_sum
 
     g = torch.Generator().manual_seed(1)
     a, b, c, d, e, f = (torch.randn(*s, generator=g) for s in ((5, 3), (3, 4), (5, 2), (2, 4), (5, 6), (6, 4)))

@@ -342,10 +342,10 @@ def _qkv_parts(module) -> list[str | None] | None:
 def _fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """LlamaAttention's training forward with q, k and v from one product: x [Wq; Wk; Wv]^T for the frozen
     weights, x [A..]^T for the LoRA down-projections together (the input read once, not once per adapter), and the
-    up-projections as one block-diagonal product added into the first in place (`lora_mlp.products_sum`; a
+    up-projections as one block-diagonal product added into the first in place (`products.products_sum`; a
     projection without an adapter gets a zero block). The same function as PEFT's layers (tests: loss and gradients); anything else -- a KV cache,
     adapters switched off or merged since -- goes through the model's own forward."""
-    from tunesmith.lora_mlp import products_sum
+    from tunesmith.products import products_sum
 
     names = _qkv_parts(self)
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
