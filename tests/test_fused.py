@@ -461,6 +461,68 @@ def test_liger_s_linear_cross_entropy_equals_the_chunked_one_on_cuda(softcap, tr
         assert F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) > 0.999
 
 
+LIGER_LOSS_CHECK = """
+import torch
+from tunesmith import fused
+fused.LIGER_ON_CPU = True  # Liger's kernels on CPU tensors, run by Triton's interpreter
+def no_host_read(*a, **k):
+    raise AssertionError("a read to the host inside the loss")
+torch.Tensor.item, torch.equal = no_host_read, no_host_read
+torch.manual_seed(0)
+worst = 0.0
+for rows, chunk in ((37, 8), (16, 16), (5, 64)):
+    hidden = torch.randn(rows, 24, requires_grad=True)
+    weight = torch.randn(301, 24) * 0.3
+    targets = torch.randint(0, 301, (rows,))
+    ref = fused.linear_cross_entropy_sum(hidden, weight, targets, rows=chunk)
+    (ref / 7).backward()
+    ref_grad, hidden.grad = hidden.grad, None
+    got = fused._LigerLinearCrossEntropy.apply(hidden, weight, targets, 0.0, chunk)
+    (got / torch.tensor(7.0)).backward()  # the scale comes as a tensor, as the trainer's 1 / tokens does
+    assert got.dtype == torch.float32
+    worst = max(worst, abs(float(got.detach()) - float(ref.detach())) / abs(float(ref.detach())),
+                float((hidden.grad - ref_grad).abs().max() / ref_grad.abs().max()))
+# an ignored row: no loss, no gradient
+hidden = torch.randn(6, 24, requires_grad=True)
+targets = torch.randint(0, 301, (6,))
+targets[2] = -100
+got = fused._LigerLinearCrossEntropy.apply(hidden, weight, targets, 0.0, 4)
+got.backward()
+assert float(hidden.grad[2].abs().max()) == 0.0 and float(hidden.grad[3].abs().max()) > 0
+keep = torch.tensor([0, 1, 3, 4, 5])
+ref = fused.linear_cross_entropy_sum(hidden.detach()[keep], weight, targets[keep])
+worst = max(worst, abs(float(got.detach()) - float(ref)) / abs(float(ref)))
+# the frozen-head path of linear_cross_entropy_sum(liger=True) is this loop
+hidden.grad = None
+fused.linear_cross_entropy_sum(hidden[keep], weight, targets[keep], liger=True).backward()
+assert float(hidden.grad[2].abs().max()) == 0.0
+print(worst)
+"""
+
+
+def test_liger_s_loss_kernel_without_host_reads_equals_the_chunked_loss_under_triton_s_interpreter():
+    """tunesmith's loop over Liger's cross-entropy kernel (the frozen output layer's path): the chunked loss's value
+    and hidden-state gradient in fp32, chunks that do not divide the rows included, ignored rows left out, and no
+    `.item()` or `torch.equal` anywhere (each is a wait for the GPU on CUDA)."""
+    import os
+    import subprocess
+
+    pytest.importorskip("triton")
+    pytest.importorskip("liger_kernel")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", LIGER_LOSS_CHECK], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) < 1e-5
+
+
+def test_liger_s_loss_kernel_of_another_signature_is_not_called(monkeypatch):
+    pytest.importorskip("liger_kernel")
+    assert fused._liger_kernels() is not None
+    monkeypatch.setattr(fused, "LIGER_CE_ARGS", fused.LIGER_CE_ARGS[:-1])
+    assert fused._liger_kernels() is None  # linear_cross_entropy_sum then takes Liger's public function
+
+
 @pytest.mark.parametrize("rows, hidden, vocab, const, chunk", [
     (8192, 4096, 128256, 8, 2048),  # the Llama-3.1-8B row: Liger's default would take 256 rows at a time
     (16384, 2048, 128256, 8, 2048),  # Llama-3.2-1B, seq 2048, micro-batch 8
@@ -472,7 +534,7 @@ def test_liger_s_chunks_take_the_cuda_chunk_budget(rows, hidden, vocab, const, c
     # Liger 0.8.5's rule (ops/fused_linear_cross_entropy.py), written out: the chunk it then takes
     parts = -(-vocab // (const * hidden))
     got = min(2 ** math.ceil(math.log2(-(-rows // parts))), rows)
-    assert got == chunk
+    assert got == chunk == fused.liger_chunk_rows(rows, hidden, vocab)  # what tunesmith's own loop over it takes
     assert got * vocab * 2 <= fused.CHUNK_BYTES["cuda"]  # bf16 logits within the planner's chunk budget
 
 

@@ -276,8 +276,7 @@ class TrainConfig(DataConfig, ModelConfig):
     overlap_steps: bool = opt(False, "with the fused AdamW on one CUDA GPU: launch the next step's forward and "
                               "backward passes before reading this step's loss and gradient norm, so the GPU need "
                               "not wait for Python between steps (steps that evaluate, checkpoint or end the run "
-                              "read first; the same losses either way). Off by default: measured level on an H200, since "
-                              "Liger's loss reads to the host partway into each step")
+                              "read first; the same losses either way). Off by default: measured level on an H200")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",
         bounds=COUNT,
