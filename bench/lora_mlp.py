@@ -112,6 +112,14 @@ def kernels(a, m: int, inter: int, sums: dict) -> None:
           f"({6 * big / tb / 1e9:.2f} TB/s); against the fp32 reference: h {rel(h1[0], h0[0]):.1e}, "
           f"h A_d^T {rel(h1[1], h0[1]):.1e}, dg {rel(b1[0], b0[0]):.1e}, du {rel(b1[1], b0[1]):.1e}, "
           f"h {rel(b1[2], b0[2]):.1e}, dxa {rel(b1[3], b0[3]):.1e}")
+    # A_d's gradient: from h by a product after the kernel (as now), or summed by the kernel itself (DAD_IN_KERNEL)
+    tp = timed(lambda: (dyb.t() @ b1[2]).mul_(1.5), a.warmup, a.iters)
+    tk = timed(lambda bargs=bargs: lora_mlp._backward_triton(*bargs, dad=True), a.warmup, a.iters)
+    dad0 = lora_mlp._backward_reference(*bargs, dad=True)[2]
+    dad1 = lora_mlp._backward_triton(*bargs, dad=True)[2]
+    print(f"  A_d's gradient: backward kernel + product over h {tb:.3f} + {tp:.3f} = {tb + tp:.3f} ms; summed in the "
+          f"kernel (DAD_IN_KERNEL) {tk:.3f} ms ({tk / (tb + tp):.3f}x), against the fp32 reference "
+          f"{rel(dad1, dad0):.1e} (the product's {rel((dyb.t() @ b1[2]).mul_(1.5), dad0):.1e})")
     if a.sweep:
         mine = {}
         for tiles in STAGES if a.stages else SWEEP:

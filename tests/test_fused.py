@@ -851,8 +851,12 @@ def _mlp(model, i=0):
     return model.base_model.model.model.layers[i].mlp
 
 
+@pytest.mark.parametrize("dad_in_kernel", [False, True])
 @pytest.mark.parametrize("rank", [4, 5])
-def test_the_lora_aware_mlp_gives_peft_s_loss_and_gradients(tokenizer, rank):
+def test_the_lora_aware_mlp_gives_peft_s_loss_and_gradients(tokenizer, rank, dad_in_kernel, monkeypatch):
+    from tunesmith import lora_mlp
+
+    monkeypatch.setattr(lora_mlp, "DAD_IN_KERNEL", dad_in_kernel)  # A_d's gradient from the backward kernel
     plain, fast = _qkv_pair(tokenizer, rank=rank)
     assert fused.fuse_mlp(fast) == 2
     batch = _batch(tokenizer)
@@ -929,6 +933,10 @@ for (m, n, r, dt), t in itertools.product(shapes, tiles):
     pairs = list(zip(L._forward_reference(*args), L._forward_triton(*args, tiles=t), strict=True))
     args = (dh0, dyb, ad, g0, u0, xa, bg, bu, 0.5, 2.0, 1.5)
     pairs += list(zip(L._backward_reference(*args), L._backward_triton(*args, tiles=t), strict=True))
+    # A_d's gradient summed in the kernel, in place of h
+    pairs += list(zip(L._backward_reference(*args, dad=True), L._backward_triton(*args, tiles=t, dad=True),
+                      strict=True))
+    pairs.append((pairs[-2][0], (dyb.float().t() @ pairs[-6][0].float() * 1.5).to(dt)))  # = sd dyb^T h
     for a, b in pairs:
         assert a.shape == b.shape and a.dtype == b.dtype
         worst = max(worst, ((a.float() - b.float()).abs().max() / a.float().abs().max()).item())

@@ -51,7 +51,7 @@ def _forward_reference(g0, u0, xa, bg, bu, ad, sg, su):
     return h, (h.to(torch.float32) @ ad.to(torch.float32).t()).to(g0.dtype)
 
 
-def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
+def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, dad: bool = False):
     g, u = _swiglu_reference(g0, u0, xa, bg, bu, sg, su)
     dh = torch.addmm(dh0.to(torch.float32), dyb.to(torch.float32), ad.to(torch.float32), alpha=sd)
     sig = torch.sigmoid(g)
@@ -60,7 +60,10 @@ def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
     dg = (dh * u * sig * (1 + g * (1 - sig))).to(dt)
     du = (dh * silu).to(dt)
     dxa = torch.cat([dg.to(f) @ bg.to(f) * sg, du.to(f) @ bu.to(f) * su], dim=1)
-    return dg, du, (silu * u).to(dt), dxa.to(dt)
+    h = (silu * u).to(dt)
+    if dad:  # A_d's gradient, sd dyb^T h, in place of h
+        h = (dyb.to(f).t() @ h.to(f) * sd).to(dt)
+    return dg, du, h, dxa.to(dt)
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels
@@ -105,7 +108,9 @@ if triton is not None:
     def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, DXA, M, N, W, stride_dh, stride_dyb, stride_g,
                            stride_u, stride_xa, stride_dg, stride_du, stride_h, sg, su, sd,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PRECISION: tl.constexpr):
+                           PRECISION: tl.constexpr, DAD: tl.constexpr):
+        # DAD: instead of h ([M, N]), each row block's share of A_d's gradient, dyb^T h ([R, N] in fp32, at H +
+        # row block * R * N), summed over the row blocks afterwards
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         seg = tl.program_id(1)
         rk = tl.arange(0, RP)
@@ -137,7 +142,12 @@ if triton is not None:
             du = (dh * silu).to(DU.dtype.element_ty)
             tl.store(DG + rows * stride_dg + rn[None, :], dg, mask=tile)
             tl.store(DU + rows * stride_du + rn[None, :], du, mask=tile)
-            tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
+            if DAD:
+                h = (silu * u).to(DG.dtype.element_ty)  # as the product from a stored h would read it
+                part = H + tl.program_id(0).to(tl.int64) * R * N + rk[:, None] * N + rn[None, :]
+                tl.store(part, tl.dot(tl.trans(dyb), h, input_precision=PRECISION), mask=b_mask)
+            else:
+                tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
             dxa_g += tl.dot(dg, tl.trans(bg), input_precision=PRECISION)  # dg B_g, from dg as stored
             dxa_u += tl.dot(du, tl.trans(bu), input_precision=PRECISION)
         out = DXA + seg.to(tl.int64) * M * (2 * R) + rows * (2 * R) + rk[None, :]
@@ -154,6 +164,13 @@ TILES = {"forward": (64, 64, 4, 0), "backward": (64, 64, 4, 0)}
 PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 8
 
+
+# A_d's gradient summed by the backward kernel (each row block's share of dyb^T h in fp32, then summed over the row
+# blocks) instead of by a product over the SwiGLU output h, which the kernel then need not write: per layer the
+# [tokens, intermediate] h written and read once more against [row blocks, r, intermediate] shares in fp32, about
+# half the bytes at 64-row blocks. Checked against the reference under Triton's interpreter; not yet timed on a GPU,
+# so off until it is (bench/lora_mlp.py --kernels-only times both).
+DAD_IN_KERNEL = False
 
 # Multiply-adds fused into FMAs, as the kernels were measured (Triton's default until 3.9; 3.10 turns it off unless
 # asked for).
@@ -216,15 +233,19 @@ def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     return h, _summed(ha, g0.dtype)
 
 
-def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
+def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None, dad: bool = False):
     (m, n), r = g0.shape, bg.shape[1]
     bm, bn, width, grid, options = _layout(tiles or TILES["backward"], m, n, g0.device)
-    dg, du, h = g0.new_empty(m, n), g0.new_empty(m, n), g0.new_empty(m, n)
+    dg, du = g0.new_empty(m, n), g0.new_empty(m, n)
+    # dad: a slot of A_d's gradient for each row block, in place of h
+    h = g0.new_empty(grid[0], r, n, dtype=torch.float32) if dad else g0.new_empty(m, n)
     dxa = g0.new_empty(grid[1], m, 2 * r, dtype=torch.float32)
     _swiglu_bwd_kernel[grid](
         dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, width, dh0.stride(0), dyb.stride(0), g0.stride(0),
-        u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
-        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), **options)
+        u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(-2), sg, su, sd, R=r, RP=_rank_pad(r),
+        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), DAD=dad, **options)
+    if dad:
+        h = h.sum(0).mul_(sd).to(g0.dtype)  # the row blocks' shares, in a fixed order
     return dg, du, h, _summed(dxa, g0.dtype)
 
 
@@ -256,20 +277,23 @@ def _(g0, u0, xa, bg, bu, ad, sg, su):
 @torch.library.custom_op("tunesmith::lora_swiglu_backward", mutates_args=())
 def lora_swiglu_backward(dh0: torch.Tensor, dyb: torch.Tensor, ad: torch.Tensor, g0: torch.Tensor, u0: torch.Tensor,
                          xa: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor, sg: float, su: float,
-                         sd: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         sd: float, dad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """With dh = dh0 + sd dyb ad (the SwiGLU output's gradient, the down projection's rank-r term included): the
-    gradients of g and u ([m, n] each); the SwiGLU output h itself, which A_d's gradient needs; and the gradient of
-    xa, [sg dg bg | su du bu] ([m, 2r])."""
+    gradients of g and u ([m, n] each); the SwiGLU output h itself, which A_d's gradient needs ([m, n]), or with
+    `dad` that gradient, sd dyb^T h ([r, n]), summed in the same pass; and the gradient of xa,
+    [sg dg bg | su du bu] ([m, 2r])."""
     if _use_triton(g0):
         return _backward_triton(dh0.contiguous(), dyb.contiguous(), ad.contiguous(), g0.contiguous(),
-                                u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(), sg, su, sd)
-    return _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
+                                u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(), sg, su, sd,
+                                dad=dad)
+    return _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, dad=dad)
 
 
 @lora_swiglu_backward.register_fake
-def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
-    m, r = g0.shape[0], bg.shape[1]
-    return g0.new_empty(g0.shape), g0.new_empty(g0.shape), g0.new_empty(g0.shape), g0.new_empty(m, 2 * r)
+def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, dad=False):
+    (m, n), r = g0.shape, bg.shape[1]
+    h = g0.new_empty(r, n) if dad else g0.new_empty(m, n)
+    return g0.new_empty(g0.shape), g0.new_empty(g0.shape), h, g0.new_empty(m, 2 * r)
 
 
 # ------------------------------------------------------------------------------------------------ the MLP
@@ -300,8 +324,8 @@ class LoraMLPFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dyb = dy @ bd
         dbd = (dy.t() @ ha).mul_(sd)
-        dg, du, h, dxa = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
-        dad = (dyb.t() @ h).mul_(sd)
+        dg, du, h, dxa = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, DAD_IN_KERNEL)
+        dad = h if DAD_IN_KERNEL else (dyb.t() @ h).mul_(sd)
         dbg = (dg.t() @ xa[:, :r]).mul_(sg)
         dbu = (du.t() @ xa[:, r:]).mul_(su)
         dx = products_sum([dg, wg, du, wu, dxa, agu], [1.0, 1.0, 1.0]) if ctx.needs_input_grad[0] else None
