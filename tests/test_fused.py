@@ -559,7 +559,15 @@ def _attn(model, i=0):
 
 
 @pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "k_proj", "v_proj"), ("q_proj", "v_proj")])
-def test_fused_qkv_gives_peft_s_loss_and_gradients(tokenizer, targets):
+@pytest.mark.parametrize("rope_kernel", [False, True])
+def test_fused_qkv_gives_peft_s_loss_and_gradients(tokenizer, targets, rope_kernel, monkeypatch):
+    # rope_kernel: RoPE straight out of the joined product (rope.rope_qkv, its PyTorch reference on the CPU)
+    monkeypatch.setattr(fused, "ROPE_KERNEL", rope_kernel)
+    monkeypatch.setattr(fused, "ROPE_ON_CPU", rope_kernel)
+    from tunesmith import rope
+
+    calls, original = [], rope._forward_reference
+    monkeypatch.setattr(rope, "_forward_reference", lambda *a: calls.append(1) or original(*a))
     plain, fast = _qkv_pair(tokenizer, targets=targets)
     assert fused.fuse_qkv(fast) == 2
     attn = _attn(fast)
@@ -575,6 +583,7 @@ def test_fused_qkv_gives_peft_s_loss_and_gradients(tokenizer, targets):
     assert set(got) == set(ref) and len(ref) == {1: 28, 3: 12, 2: 8}[len(targets)]
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert len(calls) == (2 if rope_kernel else 0)  # one call a layer
     # under bf16 autocast it follows PEFT's path as closely as two bf16 paths can
     ref_loss, ref = _grads(plain, batch, autocast=torch.bfloat16)
     got_loss, got = _grads(fast, batch, autocast=torch.bfloat16)

@@ -459,13 +459,19 @@ def _fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_
     qkv = products_sum([x.to(dtype), self.tunesmith_qkv_weight.to(dtype).t(), xa.to(dtype), b.to(dtype).t()],
                        [1.0, 1.0])
     shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    q, k, v = qkv.split(self.tunesmith_qkv_sizes, dim=-1)
-    # v goes to the attention kernel as it is, which keeps it for the backward pass: a view would keep all of the
-    # joined output alive with it (q and k are rotated into new tensors anyway)
-    q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v.contiguous()))
     cos, sin = position_embeddings
     module = sys.modules[type(self).__module__]  # the model file's own RoPE and eager attention (Liger may patch it)
-    q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
+    if _rope_kernel(qkv, hidden_states, cos, module, self.tunesmith_qkv_sizes, self.head_dim):
+        from tunesmith.rope import rope_qkv
+
+        hq, hk = (n // self.head_dim for n in self.tunesmith_qkv_sizes[:2])
+        q, k, v = (t.transpose(1, 2) for t in rope_qkv(qkv, cos, sin, hidden_states.shape[0], hq, hk))
+    else:
+        q, k, v = qkv.split(self.tunesmith_qkv_sizes, dim=-1)
+        # v goes to the attention kernel as it is, which keeps it for the backward pass: a view would keep all of
+        # the joined output alive with it (q and k are rotated into new tensors anyway)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v.contiguous()))
+        q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     impl = self.config._attn_implementation
@@ -474,6 +480,25 @@ def _fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_
                           scaling=self.scaling, **kwargs)
     out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
     return self.o_proj(out), weights
+
+
+# RoPE straight out of the joined q/k/v product and its gradient straight back (`rope.rope_qkv`, Triton on CUDA) in
+# place of the split, transformers' RoPE and the compiler's kernels for them. Checked against transformers' RoPE
+# and PEFT's layers (CPU tests, the kernels under Triton's interpreter); not yet timed on a GPU, so off until it is.
+ROPE_KERNEL = False
+ROPE_ON_CPU = False  # tests: rope_qkv's PyTorch reference on the CPU
+
+
+def _rope_kernel(qkv, hidden_states, cos, module, sizes, head_dim) -> bool:
+    """Whether this attention's RoPE goes through rope.rope_qkv: ROPE_KERNEL on, CUDA (Triton) or ROPE_ON_CPU,
+    [batch, seq, hidden] inputs, transformers' own apply_rotary_pos_emb (not Liger's) over whole heads with
+    cos / sin of [batch or 1, seq, head_dim], and k and v of one size."""
+    from tunesmith.rope import triton as rope_triton
+
+    return (ROPE_KERNEL and ((qkv.is_cuda and rope_triton is not None) or ROPE_ON_CPU) and hidden_states.dim() == 3
+            and not getattr(module.apply_rotary_pos_emb, "_tunesmith_liger", False) and cos.dim() == 3
+            and cos.shape[-1] == head_dim and head_dim % 2 == 0 and cos.shape[1] == hidden_states.shape[1]
+            and sizes[1] == sizes[2] and sizes[0] % head_dim == 0 and sizes[1] % head_dim == 0)
 
 
 def _holder(layer) -> torch.nn.Linear:
