@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -147,19 +148,21 @@ def liger_chunk_const(rows: int, hidden: int, vocab: int) -> int:
     limit = max(1, CHUNK_BYTES["cuda"] // (2 * vocab))
     best = 1
     for const in (2, 4, 8, 16, 32, 64):
-        parts = -(-vocab // (const * hidden))
-        chunk = min(1 << (max(1, -(-rows // parts)) - 1).bit_length(), rows)
-        if chunk > limit:
+        if _liger_chunk(rows, hidden, vocab, const) > limit:
             break
         best = const
     return best
 
 
-def liger_chunk_rows(rows: int, hidden: int, vocab: int) -> int:
-    """The rows of a chunk that Liger's fused linear cross-entropy takes at liger_chunk_const."""
-    const = liger_chunk_const(rows, hidden, vocab)
+def _liger_chunk(rows: int, hidden: int, vocab: int, const: int) -> int:
+    """Liger's rule: the rows of a chunk at `chunk_mem_const` const."""
     parts = -(-vocab // (const * hidden))
     return min(1 << (max(1, -(-rows // parts)) - 1).bit_length(), rows)
+
+
+def liger_chunk_rows(rows: int, hidden: int, vocab: int) -> int:
+    """The rows of a chunk that Liger's fused linear cross-entropy takes at liger_chunk_const."""
+    return _liger_chunk(rows, hidden, vocab, liger_chunk_const(rows, hidden, vocab))
 
 
 # Liger's cross-entropy kernel as liger-kernel 0.8.5 declares it; another signature falls back to its public function
@@ -172,9 +175,10 @@ LIGER_MUL_ARGS = ("X_ptr", "X_stride", "grad_output_ptr", "n_cols", "BLOCK_SIZE"
 LIGER_ON_CPU = False  # tests: Liger's kernels on CPU tensors, under Triton's interpreter
 
 
+@functools.cache
 def _liger_kernels():
     """Liger's cross-entropy and element-wise scaling kernels, where their signatures are the ones
-    _LigerLinearCrossEntropy calls; else None."""
+    _LigerLinearCrossEntropy calls; else None. Looked up once a process."""
     try:
         from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
         from liger_kernel.ops.utils import element_mul_kernel
@@ -201,6 +205,7 @@ class _LigerLinearCrossEntropy(torch.autograd.Function):
         import triton
 
         ce, _ = _liger_kernels()
+        hidden = hidden.contiguous()  # (a no-op for the loss's rows; its gradient is written chunk by chunk)
         rows, vocab = hidden.shape[0], weight.shape[0]
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         losses = torch.zeros(rows, dtype=torch.float32, device=hidden.device)  # ignored rows stay 0
@@ -458,7 +463,6 @@ def _fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_
     # x W^T + (x A^T) B^T, the second product added into the first in place (torch.addmm would copy the first)
     qkv = products_sum([x.to(dtype), self.tunesmith_qkv_weight.to(dtype).t(), xa.to(dtype), b.to(dtype).t()],
                        [1.0, 1.0])
-    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
     cos, sin = position_embeddings
     module = sys.modules[type(self).__module__]  # the model file's own RoPE and eager attention (Liger may patch it)
     if _rope_kernel(qkv, hidden_states, cos, module, self.tunesmith_qkv_sizes, self.head_dim):
@@ -468,6 +472,7 @@ def _fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_
         q, k, v = (t.transpose(1, 2) for t in rope_qkv(qkv, cos, sin, hidden_states.shape[0], hq, hk))
     else:
         q, k, v = qkv.split(self.tunesmith_qkv_sizes, dim=-1)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         # v goes to the attention kernel as it is, which keeps it for the backward pass: a view would keep all of
         # the joined output alive with it (q and k are rotated into new tensors anyway)
         q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v.contiguous()))
