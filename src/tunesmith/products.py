@@ -35,6 +35,8 @@ def _products_sum_setup(ctx, inputs, output):
     ctx.needs = [m.requires_grad for m in mats]
     ctx.save_for_backward(*(m if ctx.needs[i ^ 1] else None for i, m in enumerate(mats)))  # a's grad needs b
     ctx.alphas = alphas
+    ctx.col_major = [m.dim() == 2 and m.shape[0] > 1 and m.shape[1] > 1 and m.stride(0) == 1
+                     and m.stride(1) == m.shape[0] for m in mats]
 
 
 def _products_sum_backward(ctx, grad):
@@ -44,7 +46,13 @@ def _products_sum_backward(ctx, grad):
             grads.append(None)
             continue
         other, alpha = mats[i ^ 1], ctx.alphas[i // 2]
-        g = grad @ other.t() if i % 2 == 0 else other.t() @ grad  # d a = g b^T, d b = a^T g
+        # d a = g b^T, d b = a^T g, in the layout that autograd's own mm backward picks (torch's mm_mat1_backward
+        # and mm_mat2_backward): for an operand given column-major, such as w.t(), the transposed product,
+        # transposed back. So the same BLAS calls as the addmm chain's backward, and the same bits on every CPU.
+        if ctx.col_major[i]:
+            g = (other @ grad.t()).t() if i % 2 == 0 else (grad.t() @ other).t()
+        else:
+            g = grad @ other.t() if i % 2 == 0 else other.t() @ grad
         grads.append(g.mul_(alpha) if alpha != 1.0 else g)
     return grads, None
 
