@@ -7,6 +7,9 @@ For each row: the joined product [tokens, (Hq + 2 Hk) D] in bf16 at the row's mi
 LlamaRotaryEmbedding makes them, gradients for q, k and v as the attention kernel hands them back ([b, h, s, d]).
 Prints the median time of each path (CUDA events), the bytes each must move at the least (the product read and
 q, k, v written; the same backward), and how far the kernels' outputs are from the compiled path's.
+Each path runs eagerly between the CUDA events, its launches included: at these sizes the host's launches weigh
+more than the GPU's work, so the training step, whose layers replay from CUDA graphs, is the measure that counts
+(bench/train_throughput.py with fused.ROPE_KERNEL flipped).
 """
 
 from __future__ import annotations

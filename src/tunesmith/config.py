@@ -262,10 +262,11 @@ class TrainConfig(DataConfig, ModelConfig):
                           choices=["auto", "on", "off"])
     fused_qkv: bool = opt(True, "Llama-family attention with LoRA on any of q_proj, k_proj, v_proj at dropout 0: the "
                           "three projections as one product over their joined frozen weights, the LoRA "
-                          "down-projections as one more (the input read once, not once per adapter)")
+                          "down-projections as one more (the input read once, not once per adapter); on CUDA, RoPE "
+                          "applied straight out of the joined product by one Triton kernel a direction")
     fused_mlp: str = opt("auto", "Llama-family MLP with LoRA on gate_proj, up_proj and down_proj at dropout 0 "
                          "(rank up to 32): one function whose SwiGLU kernel makes the gate and up LoRA terms in registers (never as "
-                         "full-size tensors) and adds the down projection's into its gradient. auto: on CUDA where "
+                         "full-size tensors), adds the down projection's into its gradient and sums A_d's gradient. auto: on CUDA where "
                          "Triton is installed; on (elsewhere in plain PyTorch, fp32 inside: for checking, not "
                          "speed); off (PEFT's layers)", choices=["auto", "on", "off"])
     pack_records: str = opt("auto", "micro-batches of .jsonl records of different lengths packed into fewer rows "

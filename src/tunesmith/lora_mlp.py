@@ -168,9 +168,10 @@ MAX_SEGMENTS = 8
 # A_d's gradient summed by the backward kernel (each row block's share of dyb^T h in fp32, then summed over the row
 # blocks) instead of by a product over the SwiGLU output h, which the kernel then need not write: per layer the
 # [tokens, intermediate] h written and read once more against [row blocks, r, intermediate] shares in fp32, about
-# half the bytes at 64-row blocks. Checked against the reference under Triton's interpreter; not yet timed on a GPU,
-# so off until it is (bench/lora_mlp.py --kernels-only times both).
-DAD_IN_KERNEL = False
+# half the bytes at 64-row blocks. Checked against the reference under Triton's interpreter. On an H200 (2026-12-03)
+# the backward's A_d part took 0.84x (8B row) and 0.78x (1B row) of the time (bench/lora_mlp.py --kernels-only), and
+# with ROPE_KERNEL the 8B training step ran 0.4-0.5% faster at 0.11 GiB less peak memory: on.
+DAD_IN_KERNEL = True
 
 # Multiply-adds fused into FMAs, as the kernels were measured (Triton's default until 3.9; 3.10 turns it off unless
 # asked for).
