@@ -12,6 +12,10 @@ steps, each in its own process (Liger and Unsloth patch transformers classes glo
   counted once whether tied or not; the embedding is a lookup) + 12 x layers x seq x hidden for attention
   (PaLM's formula, which counts the full score matrix, not its causal half);
 - the mean loss of the first and last 5 steps: every tool should be training the same problem.
+- the GPU's state over the timed steps (CUDA, where nvidia-smi answers): the median SM clock and board power and
+  the highest temperature, sampled every 100 ms by the parent process while the tool runs. A GPU that lowers its
+  clock under a power or heat limit runs a faster tool's steps slower: same-run ratios carry that, and this says
+  how much.
 
 GPU rows use random weights (torch.manual_seed(0)) of the real shapes, saved once as bf16 safetensors with a
 small tokenizer built in code (no downloads) under --workdir; their tokens are random. The CPU row trains the
@@ -190,6 +194,7 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
         print(f"train_throughput: TrainConfig has no field {name!r}; ignored", file=sys.stderr)
     flags = {k: v for k, v in flags.items() if k in known}
     ends: list[float] = []
+    walls: list[float] = []  # wall-clock step ends, to match the GPU's samples (gpu_state)
     with tempfile.TemporaryDirectory(prefix="tt-run-", dir=a.workdir) as out:
         settings = dict(
             model=str(folder), output=out, device=a.device,
@@ -201,9 +206,9 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
         cfg = TrainConfig(**{**settings, **flags})  # --ts-flags may override any of these (precision=bf16...)
         # StepRecord.elapsed is read right after the step's synchronize, before the end-of-run checkpoint.
         result = train(cfg, data=TokenData(train=data, valid=[], source="bench"), progress=False,
-                       callback=lambda r: ends.append(r.elapsed))
+                       callback=lambda r: (ends.append(r.elapsed), walls.append(time.time())))
     times = [b - e for e, b in zip([0.0, *ends], ends, strict=False)]
-    return times, result.losses, result.trainable_params, {"flags": flags}
+    return times, result.losses, result.trainable_params, {"flags": flags, "step_end_unix": walls}
 
 
 def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], list[float], int, dict]:
@@ -244,6 +249,7 @@ def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], lis
     class Clock(TrainerCallback):
         def __init__(self):
             self.times: list[float] = []
+            self.walls: list[float] = []
             self.losses: list[float] = []
 
         def on_step_begin(self, args, state, control, **kw):
@@ -253,6 +259,7 @@ def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], lis
         def on_step_end(self, args, state, control, **kw):
             sync()
             self.times.append(time.perf_counter() - self.t0)
+            self.walls.append(time.time())
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -273,6 +280,7 @@ def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], lis
         trainer._get_train_sampler = lambda *_, **__: torch.utils.data.SequentialSampler(ds)
         trainer.train()
     notes["optim"] = str(args.optim)
+    notes["step_end_unix"] = clock.walls
     return clock.times, clock.losses, sum(p.numel() for p in model.parameters() if p.requires_grad), notes
 
 
@@ -343,6 +351,74 @@ def spawn(args: list[str], timeout: float, log: Path) -> tuple[dict | None, str]
         return json.loads(line), ""
     tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     return None, why or (tail[-1].strip()[:300] if tail else f"exit code {proc.returncode}, no output")
+
+
+GPU_QUERY = "clocks.sm,power.draw,temperature.gpu"
+
+
+class GpuSampler:
+    """While the `with` block runs (and `on`): nvidia-smi's SM clock (MHz), board power (W) and temperature (C)
+    every 100 ms, each stamped with this process's wall clock. No samples where nvidia-smi is missing or fails."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+        self.samples: list[tuple[float, float, float, float]] = []
+        self.proc = self.thread = None
+
+    def __enter__(self):
+        import shutil
+        import threading
+
+        if self.on and shutil.which("nvidia-smi"):
+            gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+            with contextlib.suppress(OSError):
+                self.proc = subprocess.Popen(
+                    ["nvidia-smi", "-i", gpu, f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits",
+                     "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                self.thread = threading.Thread(target=self._read, daemon=True)
+                self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            values = parse_gpu_line(line)
+            if values:
+                self.samples.append((time.time(), *values))
+
+    def __exit__(self, *exc) -> bool:
+        if self.proc is not None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            self.thread.join(timeout=5)
+        return False
+
+
+def parse_gpu_line(line: str) -> tuple[float, float, float] | None:
+    """'1980, 689.52, 61' -> (1980.0, 689.52, 61.0); None for anything else ('[N/A]', a header, a blank)."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 3:
+        return None
+    try:
+        return tuple(float(p) for p in parts)  # type: ignore[return-value]
+    except ValueError:
+        return None
+
+
+def gpu_state(samples: list[tuple[float, ...]], step_ends: list[float], warmup: int) -> dict | None:
+    """The GPU over the timed steps, those tokens/s counts (after the warm-up, the last left out): from the end
+    of step `warmup` - 1 (the first step's start at warm-up 0) to the end of the next-to-last step. The median SM
+    clock and power, the highest temperature and the samples' count; None without a sample in that window."""
+    import statistics
+
+    if len(step_ends) < 2:
+        return None
+    start = step_ends[warmup - 1] if 0 < warmup <= len(step_ends) - 2 else float("-inf")
+    inside = [s for s in samples if start <= s[0] <= step_ends[-2]]
+    if not inside:
+        return None
+    return {"sm_mhz": statistics.median(s[1] for s in inside), "power_w": statistics.median(s[2] for s in inside),
+            "temp_c_max": max(s[3] for s in inside), "samples": len(inside)}
 
 
 def versions() -> dict:
@@ -417,12 +493,15 @@ def drive(a) -> int:
         for dropout in (float(d) for d in a.dropout.split(",")):
             for tool in tools:
                 t0 = time.perf_counter()
-                r, err = (None, f"preparing the model failed: {why}") if prep is None else spawn([
-                    "--worker", tool, "--row", name, "--dropout", str(dropout), "--device", a.device,
-                    "--steps", str(steps), "--warmup", str(warmup), "--workdir", str(workdir),
-                    "--model-dir", prep["folder"], "--peak-flops", str(peak_flops), "--ts-flags", a.ts_flags,
-                    "--unsloth-checkpointing", a.unsloth_checkpointing,
-                ], a.timeout, workdir / "logs" / f"{name}-p{dropout:g}-{tool}.log")
+                with GpuSampler(a.device == "cuda") as sampler:
+                    r, err = (None, f"preparing the model failed: {why}") if prep is None else spawn([
+                        "--worker", tool, "--row", name, "--dropout", str(dropout), "--device", a.device,
+                        "--steps", str(steps), "--warmup", str(warmup), "--workdir", str(workdir),
+                        "--model-dir", prep["folder"], "--peak-flops", str(peak_flops), "--ts-flags", a.ts_flags,
+                        "--unsloth-checkpointing", a.unsloth_checkpointing,
+                    ], a.timeout, workdir / "logs" / f"{name}-p{dropout:g}-{tool}.log")
+                if r is not None and r.get("step_end_unix"):
+                    r["gpu_state"] = gpu_state(sampler.samples, r["step_end_unix"], warmup)
                 r = {"tool": tool, "row": name, "dropout": dropout, "tokens_per_s": None, "peak_gib": None,
                      "mfu": None, "losses": [], **(r or {})}
                 r["error"] = r.get("error") or err or None
@@ -432,6 +511,9 @@ def drive(a) -> int:
                 took = f"({time.perf_counter() - t0:.0f}s)"
                 said = (f"FAILED {r['error']}" if r["error"] else
                         f"{r['tokens_per_s']:,.0f} tok/s, {r['peak_gib']:.2f} GiB")
+                if not r["error"] and r.get("gpu_state"):
+                    g = r["gpu_state"]
+                    said += f", SM {g['sm_mhz']:.0f} MHz, {g['power_w']:.0f} W, up to {g['temp_c_max']:.0f} C"
                 print(f"{name} dropout {dropout:g} {tool}: {said} {took}", flush=True)
     print_table(results, f"Training throughput, {env.get('gpu', 'CPU')}, {env['date']}")
     print(f"results appended to {out}; logs in {workdir / 'logs'}")

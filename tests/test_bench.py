@@ -1,0 +1,64 @@
+"""bench/train_throughput.py's reading of the GPU's state (clock, power, temperature) over the timed steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tt():
+    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench" / "train_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look themselves up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_lines_parse_to_numbers_and_anything_else_to_none(tt):
+    assert tt.parse_gpu_line("1980, 689.52, 61\n") == (1980.0, 689.52, 61.0)
+    for bad in ("[N/A], 600.0, 50", "clocks.sm [MHz], power.draw [W], temperature.gpu", "", "1980, 600"):
+        assert tt.parse_gpu_line(bad) is None
+
+
+def test_gpu_state_takes_only_the_timed_steps(tt):
+    # steps end at t = 1..6; warm-up 2: the timed steps are 3, 4, 5 (the last, 6, left out), so the window is
+    # from step 2's end (t=2) to step 5's end (t=5)
+    ends = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    samples = [(0.5, 345, 80, 30), (1.5, 1980, 700, 50), (2.5, 1900, 690, 60), (3.5, 1800, 680, 70),
+               (4.5, 1700, 670, 65), (5.5, 1000, 300, 90)]
+    got = tt.gpu_state(samples, ends, warmup=2)
+    assert got == {"sm_mhz": 1800, "power_w": 680, "temp_c_max": 70, "samples": 3}
+    assert tt.gpu_state(samples, ends, warmup=0)["samples"] == 5  # from the start: all up to step 5's end
+    assert tt.gpu_state([(9.0, 1, 1, 1)], ends, warmup=2) is None  # no sample inside
+    assert tt.gpu_state(samples, [1.0], warmup=0) is None
+
+
+def test_sampler_reads_nvidia_smi_until_the_block_ends(tt, tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    args = tmp_path / "args"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {args}\necho "1980, 689.5, 61"\necho "[N/A], 1, 1"\n'
+                    'echo "1755, 700.0, 66"\nexec sleep 60\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    t0 = time.time()
+    with tt.GpuSampler() as sampler:
+        deadline = time.monotonic() + 60
+        while len(sampler.samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert [s[1:] for s in sampler.samples] == [(1980.0, 689.5, 61.0), (1755.0, 700.0, 66.0)]
+    assert all(t0 <= s[0] <= time.time() for s in sampler.samples)
+    assert sampler.proc.poll() is not None  # stopped with the block
+    assert args.read_text().split()[:2] == ["-i", "3"]
+    with tt.GpuSampler(on=False) as off:
+        pass
+    assert off.samples == [] and off.proc is None
