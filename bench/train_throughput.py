@@ -27,6 +27,10 @@ the wheels that bench/gpu_wheels.sh downloads into .whl/ (it says how to install
     python bench/train_throughput.py --device cpu --out throughput-cpu.jsonl
     python bench/train_throughput.py --device cpu --smoke        # the plumbing, in seconds
 
+`--repeat N` runs the tools N times in turn (tunesmith, peer, tunesmith, peer, ...) and ends with each peer's
+ratio over the rounds: the ratio of the median tokens/s and each round's own ratio, so one slow run (a host
+stall, a GPU that has just lowered its clock) shows as itself instead of deciding the figure.
+
 A tool that fails (not installed, out of memory, crash, --timeout) gets its error in the table and the run
 goes on; each process's stderr is kept in <workdir>/logs/. The table goes to docs/PERFORMANCE.md with the
 hardware and the date.
@@ -433,22 +437,48 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def rounds_summary(results: list[dict]) -> list[str]:
+    """For each row, dropout and peer run in more than one round: tunesmith's median tokens/s over the peer's
+    (over the rounds where each ran without error), and each round's own ratio. Nothing where there is one round."""
+    import statistics
+
+    lines = []
+    speeds: dict[tuple, dict[int, float]] = {}  # (row, dropout, tool) -> round -> tokens/s
+    for r in results:
+        if not r["error"]:
+            speeds.setdefault((r["row"], r["dropout"], r["tool"]), {})[r.get("round", 0)] = r["tokens_per_s"]
+    for row, dropout, tool in speeds:
+        if tool == "tunesmith":
+            continue
+        ours, theirs = speeds.get((row, dropout, "tunesmith"), {}), speeds[(row, dropout, tool)]
+        if len(ours) < 2 or len(theirs) < 2:
+            continue
+        each = ", ".join(f"{ours[k] / theirs[k]:.3f}" for k in sorted(ours.keys() & theirs.keys()))
+        lines.append(f"{row} dropout {dropout:g}, tunesmith ÷ {tool} over {len(ours)} and {len(theirs)} rounds: "
+                     f"{statistics.median(ours.values()) / statistics.median(theirs.values()):.3f} (medians "
+                     f"{statistics.median(ours.values()):,.0f} and {statistics.median(theirs.values()):,.0f} "
+                     f"tokens/s); each round: {each or '-'}")
+    return lines
+
+
 def print_table(results: list[dict], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title, caption="tunesmith ÷ tool: tunesmith's tokens/s and peak memory over the "
                   "tool's (speed > 1: tunesmith is faster; peak < 1: it needs less memory)")
-    for col in ("row", "dropout", "tool", "tokens/s", "peak GiB", "MFU %", "tunesmith ÷ tool: speed", "peak",
+    for col in ("row", "dropout", "tool", "round", "tokens/s", "peak GiB", "MFU %", "tunesmith ÷ tool: speed", "peak",
                 "loss: first 5 → last 5 steps"):
         table.add_column(col, justify="left" if col in ("row", "tool") or col.startswith("loss") else "right")
-    ours = {(r["row"], r["dropout"]): r for r in results if r["tool"] == "tunesmith" and not r["error"]}
+    # each peer against tunesmith's run of the same round (the last one where a round has several)
+    ours = {(r["row"], r["dropout"], r.get("round", 0)): r for r in results
+            if r["tool"] == "tunesmith" and not r["error"]}
     for r in results:
-        key = [r["row"], f"{r['dropout']:g}", r["tool"]]
+        key = [r["row"], f"{r['dropout']:g}", r["tool"], str(r.get("round", 0) + 1)]
         if r["error"]:
             table.add_row(*key, "-", "-", "-", "-", "-", f"[red]failed: {r['error']}")
             continue
-        ts = ours.get((r["row"], r["dropout"]))
+        ts = ours.get((r["row"], r["dropout"], r.get("round", 0)))
         speed = f"{ts['tokens_per_s'] / r['tokens_per_s']:.2f}" if ts else "-"
         memory = f"{ts['peak_gib'] / r['peak_gib']:.2f}" if ts else "-"
         mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-"
@@ -468,6 +498,8 @@ def drive(a) -> int:
     steps, warmup = (3, 1) if a.smoke else (steps, warmup)
     steps, warmup = a.steps or steps, a.warmup if a.warmup is not None else warmup
     bad = [x for x in rows if x not in ROWS] + [x for x in tools if x not in TOOLS]
+    if a.repeat < 1:
+        sys.exit(f"--repeat must be at least 1 (got {a.repeat})")
     if bad or warmup >= steps:
         sys.exit(f"unknown rows/tools {bad} (rows: {', '.join(ROWS)}; tools: {', '.join(TOOLS)})" if bad
                  else f"--warmup ({warmup}) must be below --steps ({steps})")
@@ -490,32 +522,35 @@ def drive(a) -> int:
                           workdir / "logs" / f"prepare-{name}.log")
         if prep is not None and prep.get("error"):
             prep, why = None, prep["error"]
-        for dropout in (float(d) for d in a.dropout.split(",")):
-            for tool in tools:
-                t0 = time.perf_counter()
-                with GpuSampler(a.device == "cuda") as sampler:
-                    r, err = (None, f"preparing the model failed: {why}") if prep is None else spawn([
-                        "--worker", tool, "--row", name, "--dropout", str(dropout), "--device", a.device,
-                        "--steps", str(steps), "--warmup", str(warmup), "--workdir", str(workdir),
-                        "--model-dir", prep["folder"], "--peak-flops", str(peak_flops), "--ts-flags", a.ts_flags,
-                        "--unsloth-checkpointing", a.unsloth_checkpointing,
-                    ], a.timeout, workdir / "logs" / f"{name}-p{dropout:g}-{tool}.log")
-                if r is not None and r.get("step_end_unix"):
-                    r["gpu_state"] = gpu_state(sampler.samples, r["step_end_unix"], warmup)
-                r = {"tool": tool, "row": name, "dropout": dropout, "tokens_per_s": None, "peak_gib": None,
-                     "mfu": None, "losses": [], **(r or {})}
-                r["error"] = r.get("error") or err or None
-                results.append(r)
-                with out.open("a") as f:
-                    f.write(json.dumps({**r, "env": env}) + "\n")
-                took = f"({time.perf_counter() - t0:.0f}s)"
-                said = (f"FAILED {r['error']}" if r["error"] else
-                        f"{r['tokens_per_s']:,.0f} tok/s, {r['peak_gib']:.2f} GiB")
-                if not r["error"] and r.get("gpu_state"):
-                    g = r["gpu_state"]
-                    said += f", SM {g['sm_mhz']:.0f} MHz, {g['power_w']:.0f} W, up to {g['temp_c_max']:.0f} C"
-                print(f"{name} dropout {dropout:g} {tool}: {said} {took}", flush=True)
+        for dropout, rnd, tool in ((float(d), k, t) for d in a.dropout.split(",") for k in range(a.repeat)
+                                   for t in tools):
+            t0 = time.perf_counter()
+            with GpuSampler(a.device == "cuda") as sampler:
+                r, err = (None, f"preparing the model failed: {why}") if prep is None else spawn([
+                    "--worker", tool, "--row", name, "--dropout", str(dropout), "--device", a.device,
+                    "--steps", str(steps), "--warmup", str(warmup), "--workdir", str(workdir),
+                    "--model-dir", prep["folder"], "--peak-flops", str(peak_flops), "--ts-flags", a.ts_flags,
+                    "--unsloth-checkpointing", a.unsloth_checkpointing,
+                ], a.timeout, workdir / "logs" / f"{name}-p{dropout:g}-{tool}{f'-{rnd}' if a.repeat > 1 else ''}.log")
+            if r is not None and r.get("step_end_unix"):
+                r["gpu_state"] = gpu_state(sampler.samples, r["step_end_unix"], warmup)
+            r = {"tool": tool, "row": name, "dropout": dropout, "tokens_per_s": None, "peak_gib": None,
+                 "mfu": None, "losses": [], **(r or {}), "round": rnd}
+            r["error"] = r.get("error") or err or None
+            results.append(r)
+            with out.open("a") as f:
+                f.write(json.dumps({**r, "env": env}) + "\n")
+            took = f"({time.perf_counter() - t0:.0f}s)"
+            said = (f"FAILED {r['error']}" if r["error"] else
+                    f"{r['tokens_per_s']:,.0f} tok/s, {r['peak_gib']:.2f} GiB")
+            if not r["error"] and r.get("gpu_state"):
+                g = r["gpu_state"]
+                said += f", SM {g['sm_mhz']:.0f} MHz, {g['power_w']:.0f} W, up to {g['temp_c_max']:.0f} C"
+            turn = f" (round {rnd + 1} of {a.repeat})" if a.repeat > 1 else ""
+            print(f"{name} dropout {dropout:g} {tool}{turn}: {said} {took}", flush=True)
     print_table(results, f"Training throughput, {env.get('gpu', 'CPU')}, {env['date']}")
+    for line in rounds_summary(results):
+        print(line)
     print(f"results appended to {out}; logs in {workdir / 'logs'}")
     return 0
 
@@ -542,6 +577,8 @@ def main() -> int:
                     "(default: <workdir>/results.jsonl)")
     ap.add_argument("--workdir", default="/tmp/tt-bench", help="model folders, logs, temporary run folders")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per process before it is killed")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds: the tools run in turn this many times, and the ratios over the rounds are printed")
     ap.add_argument("--smoke", action="store_true",
                     help="check the plumbing: a 2-layer hidden-64 model, seq 32, batch 2, 3 steps")
     # internal: one process's part

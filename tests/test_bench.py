@@ -62,3 +62,21 @@ def test_sampler_reads_nvidia_smi_until_the_block_ends(tt, tmp_path, monkeypatch
     with tt.GpuSampler(on=False) as off:
         pass
     assert off.samples == [] and off.proc is None
+
+
+def test_rounds_summary_gives_the_ratio_of_medians_and_each_round_s_own(tt):
+    def r(tool, rnd, tps, error=None, row="llama-8b"):
+        return {"tool": tool, "row": row, "dropout": 0.0, "round": rnd, "tokens_per_s": tps, "error": error}
+
+    results = [r("tunesmith", 0, 17_700), r("unsloth", 0, 16_200),
+               r("tunesmith", 1, 17_300), r("unsloth", 1, 16_100),   # a slow tunesmith round
+               r("tunesmith", 2, 17_800), r("unsloth", 2, 16_150),
+               r("hf", 0, 10_000), r("hf", 1, None, error="OOM"),     # one good round: no summary for hf
+               r("tunesmith", 0, 1.0, row="llama-1b"), r("unsloth", 0, 1.0, row="llama-1b")]  # one round only
+    lines = tt.rounds_summary(results)
+    assert len(lines) == 1
+    line = lines[0]
+    assert line.startswith("llama-8b dropout 0, tunesmith ÷ unsloth over 3 and 3 rounds: ")
+    assert f"{17_700 / 16_150:.3f} (medians 17,700 and 16,150 tokens/s)" in line
+    assert line.endswith(f"each round: {17_700 / 16_200:.3f}, {17_300 / 16_100:.3f}, {17_800 / 16_150:.3f}")
+    assert tt.rounds_summary(results[:2]) == []
