@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import resource
@@ -454,10 +455,9 @@ def rounds_summary(results: list[dict]) -> list[str]:
         if len(ours) < 2 or len(theirs) < 2:
             continue
         each = ", ".join(f"{ours[k] / theirs[k]:.3f}" for k in sorted(ours.keys() & theirs.keys()))
+        mine, peer = statistics.median(ours.values()), statistics.median(theirs.values())
         lines.append(f"{row} dropout {dropout:g}, tunesmith ÷ {tool} over {len(ours)} and {len(theirs)} rounds: "
-                     f"{statistics.median(ours.values()) / statistics.median(theirs.values()):.3f} (medians "
-                     f"{statistics.median(ours.values()):,.0f} and {statistics.median(theirs.values()):,.0f} "
-                     f"tokens/s); each round: {each or '-'}")
+                     f"{mine / peer:.3f} (medians {mine:,.0f} and {peer:,.0f} tokens/s); each round: {each or '-'}")
     return lines
 
 
@@ -522,8 +522,7 @@ def drive(a) -> int:
                           workdir / "logs" / f"prepare-{name}.log")
         if prep is not None and prep.get("error"):
             prep, why = None, prep["error"]
-        for dropout, rnd, tool in ((float(d), k, t) for d in a.dropout.split(",") for k in range(a.repeat)
-                                   for t in tools):
+        for dropout, rnd, tool in itertools.product(map(float, a.dropout.split(",")), range(a.repeat), tools):
             t0 = time.perf_counter()
             with GpuSampler(a.device == "cuda") as sampler:
                 r, err = (None, f"preparing the model failed: {why}") if prep is None else spawn([
