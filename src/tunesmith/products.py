@@ -35,7 +35,7 @@ def _products_sum_setup(ctx, inputs, output):
     ctx.needs = [m.requires_grad for m in mats]
     ctx.save_for_backward(*(m if ctx.needs[i ^ 1] else None for i, m in enumerate(mats)))  # a's grad needs b
     ctx.alphas = alphas
-    ctx.col_major = [m.shape[0] > 1 and m.shape[1] > 1 and m.stride() == (1, m.shape[0]) for m in mats]
+    ctx.col_major = [m.stride() == (1, m.shape[0]) for m in mats]  # autograd's own test for column-major
 
 
 def _products_sum_backward(ctx, grad):
