@@ -440,7 +440,8 @@ def mean(xs: list[float]) -> float:
 
 def rounds_summary(results: list[dict]) -> list[str]:
     """For each row, dropout and peer run in more than one round: tunesmith's median tokens/s over the peer's
-    (over the rounds where each ran without error), and each round's own ratio. Nothing where there is one round."""
+    (over the rounds where each ran without error), and each round's own ratio, to 4 decimals (a ratio of 1.0998
+    is not 1.100). Nothing where there is one round."""
     import statistics
 
     lines = []
@@ -454,10 +455,10 @@ def rounds_summary(results: list[dict]) -> list[str]:
         ours, theirs = speeds.get((row, dropout, "tunesmith"), {}), speeds[(row, dropout, tool)]
         if len(ours) < 2 or len(theirs) < 2:
             continue
-        each = ", ".join(f"{ours[k] / theirs[k]:.3f}" for k in sorted(ours.keys() & theirs.keys()))
+        each = ", ".join(f"{ours[k] / theirs[k]:.4f}" for k in sorted(ours.keys() & theirs.keys()))
         mine, peer = statistics.median(ours.values()), statistics.median(theirs.values())
         lines.append(f"{row} dropout {dropout:g}, tunesmith ÷ {tool} over {len(ours)} and {len(theirs)} rounds: "
-                     f"{mine / peer:.3f} (medians {mine:,.0f} and {peer:,.0f} tokens/s); each round: {each or '-'}")
+                     f"{mine / peer:.4f} (medians {mine:,.0f} and {peer:,.0f} tokens/s); each round: {each or '-'}")
     return lines
 
 

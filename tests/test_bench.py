@@ -77,6 +77,6 @@ def test_rounds_summary_gives_the_ratio_of_medians_and_each_round_s_own(tt):
     assert len(lines) == 1
     line = lines[0]
     assert line.startswith("llama-8b dropout 0, tunesmith ÷ unsloth over 3 and 3 rounds: ")
-    assert f"{17_700 / 16_150:.3f} (medians 17,700 and 16,150 tokens/s)" in line
-    assert line.endswith(f"each round: {17_700 / 16_200:.3f}, {17_300 / 16_100:.3f}, {17_800 / 16_150:.3f}")
+    assert f"{17_700 / 16_150:.4f} (medians 17,700 and 16,150 tokens/s)" in line
+    assert line.endswith(f"each round: {17_700 / 16_200:.4f}, {17_300 / 16_100:.4f}, {17_800 / 16_150:.4f}")
     assert tt.rounds_summary(results[:2]) == []
