@@ -114,20 +114,34 @@ def kernels(a, m: int, inter: int, sums: dict) -> None:
           f"h {rel(b1[2], b0[2]):.1e}, dxa {rel(b1[3], b0[3]):.1e}")
     # A_d's gradient: from h by a product after the kernel (as now), or summed by the kernel itself (DAD_IN_KERNEL)
     tp = timed(lambda: (dyb.t() @ b1[2]).mul_(1.5), a.warmup, a.iters)
-    tk = timed(lambda bargs=bargs: lora_mlp._backward_triton(*bargs, dad=True), a.warmup, a.iters)
-    dad0 = lora_mlp._backward_reference(*bargs, dad=True)[2]
-    dad1 = lora_mlp._backward_triton(*bargs, dad=True)[2]
+    tk = timed(lambda bargs=bargs: lora_mlp._backward_triton(*bargs, shares=1), a.warmup, a.iters)
+    dad0 = lora_mlp._backward_reference(*bargs, shares=1)[2]
+    one = lora_mlp._backward_triton(*bargs, shares=1)
     print(f"  A_d's gradient: backward kernel + product over h {tb:.3f} + {tp:.3f} = {tb + tp:.3f} ms; summed in the "
           f"kernel (DAD_IN_KERNEL) {tk:.3f} ms ({tk / (tb + tp):.3f}x), against the fp32 reference "
-          f"{rel(dad1, dad0):.1e} (the product's {rel((dyb.t() @ b1[2]).mul_(1.5), dad0):.1e})")
+          f"{rel(one[2], dad0):.1e} (the product's {rel((dyb.t() @ b1[2]).mul_(1.5), dad0):.1e})")
+    # B_g's and B_u's gradients: by two products over dg and du after the kernel, or summed by it (LORA_B_IN_KERNEL)
+    r2 = xa.shape[1] // 2
+    tbp = timed(lambda: ((one[0].t() @ xa[:, :r2]).mul_(0.5), (one[1].t() @ xa[:, r2:]).mul_(2.0)), a.warmup,
+                a.iters)
+    t3 = timed(lambda bargs=bargs: lora_mlp._backward_triton(*bargs, shares=3), a.warmup, a.iters)
+    ref3 = lora_mlp._backward_reference(*bargs, shares=3)[2]
+    three = lora_mlp._backward_triton(*bargs, shares=3)[2]
+    print(f"  B_g's and B_u's gradients: kernel (A_d's summed) + two products {tk:.3f} + {tbp:.3f} = {tk + tbp:.3f} "
+          f"ms; summed in the kernel (LORA_B_IN_KERNEL) {t3:.3f} ms ({t3 / (tk + tbp):.3f}x), against the fp32 "
+          f"reference {max(rel(three[i], ref3[i]) for i in range(3)):.1e} (the products' "
+          f"{rel((one[0].t() @ xa[:, :r2]).mul_(0.5).t(), ref3[1]):.1e})")
     if a.sweep:
         mine = {}
-        for tiles in STAGES if a.stages else SWEEP:
+        shares = lora_mlp.shares() if a.shares is None else a.shares
+        b0 = lora_mlp._backward_reference(*bargs, shares=shares)
+        print(f"  the backward kernel with shares={shares}")
+        for tiles in a.tiles or (STAGES if a.stages else SWEEP):
             f = timed(lambda t=tiles, args=args: lora_mlp._forward_triton(*args, tiles=t), a.warmup, a.iters)
-            b = timed(lambda t=tiles, bargs=bargs: lora_mlp._backward_triton(*bargs, tiles=t), a.warmup,
-                      a.iters)
+            b = timed(lambda t=tiles, bargs=bargs: lora_mlp._backward_triton(*bargs, tiles=t, shares=shares),
+                      a.warmup, a.iters)
             hf = lora_mlp._forward_triton(*args, tiles=tiles)
-            hb = lora_mlp._backward_triton(*bargs, tiles=tiles)
+            hb = lora_mlp._backward_triton(*bargs, tiles=tiles, shares=shares)
             err = max(rel(hf[0], h0[0]), rel(hf[1], h0[1]), *(rel(x, y) for x, y in zip(hb, b0, strict=True)))
             print(f"  tiles {tiles}: forward {f:.3f} ms ({3 * big / f / 1e9:.2f} TB/s), backward {b:.3f} ms "
                   f"({6 * big / b / 1e9:.2f} TB/s), largest error against the fp32 reference {err:.1e}")
@@ -153,9 +167,12 @@ def registers(rank: int) -> None:
     for name, kernel in (("forward", lora_mlp._swiglu_fwd_kernel), ("backward", lora_mlp._swiglu_bwd_kernel)):
         for bm, bn, warps, _ in SWEEP[::4]:  # the segments change the grid, not the kernel
             consts = {"R": rank, "RP": lora_mlp._rank_pad(rank), "PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn}
+            if name == "backward":
+                consts["SHARES"] = lora_mlp.shares()
             names = kernel.arg_names
+            sums = ("HA", "DXA", *(("H",) if consts.get("SHARES") else ()))
             signature = {n: "constexpr" if n in consts else "fp32" if n in ("sg", "su", "sd") else
-                         "*fp32" if n in ("HA", "DXA") else "*bf16" if n.isupper() and n not in ("M", "N", "W")
+                         "*fp32" if n in sums else "*bf16" if n.isupper() and n not in ("M", "N", "W")
                          else "i32" for n in names}
             src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()})
             built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -177,6 +194,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the kernels at several tile shapes")
     ap.add_argument("--stages", action="store_true", help="with --sweep: the default tiles at several pipeline "
                     "depths (num_stages) instead")
+    ap.add_argument("--tiles", type=lambda v: tuple(int(x) for x in v.split(",")), nargs="+",
+                    help="with --sweep: these tile layouts (BLOCK_M,BLOCK_N,warps,segments[,stages]) instead")
+    ap.add_argument("--shares", type=int, choices=(0, 1, 3),
+                    help="with --sweep: the backward kernel's shares (default: as the trainer runs it)")
     ap.add_argument("--profile", action="store_true", help="CUDA kernel times of one forward + backward of each")
     ap.add_argument("--kernels-only", action="store_true", help="time the two kernels alone, not the modules")
     ap.add_argument("--registers", action="store_true",

@@ -863,12 +863,14 @@ def _mlp(model, i=0):
     return model.base_model.model.model.layers[i].mlp
 
 
-@pytest.mark.parametrize("dad_in_kernel", [False, True])
+@pytest.mark.parametrize(("dad_in_kernel", "lora_b_in_kernel"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("rank", [4, 5])
-def test_the_lora_aware_mlp_gives_peft_s_loss_and_gradients(tokenizer, rank, dad_in_kernel, monkeypatch):
+def test_the_lora_aware_mlp_gives_peft_s_loss_and_gradients(tokenizer, rank, dad_in_kernel, lora_b_in_kernel,
+                                                            monkeypatch):
     from tunesmith import lora_mlp
 
     monkeypatch.setattr(lora_mlp, "DAD_IN_KERNEL", dad_in_kernel)  # A_d's gradient from the backward kernel
+    monkeypatch.setattr(lora_mlp, "LORA_B_IN_KERNEL", lora_b_in_kernel)  # and B_g's and B_u's
     plain, fast = _qkv_pair(tokenizer, rank=rank)
     assert fused.fuse_mlp(fast) == 2
     batch = _batch(tokenizer)
@@ -945,10 +947,15 @@ for (m, n, r, dt), t in itertools.product(shapes, tiles):
     pairs = list(zip(L._forward_reference(*args), L._forward_triton(*args, tiles=t), strict=True))
     args = (dh0, dyb, ad, g0, u0, xa, bg, bu, 0.5, 2.0, 1.5)
     pairs += list(zip(L._backward_reference(*args), L._backward_triton(*args, tiles=t), strict=True))
-    # A_d's gradient summed in the kernel, in place of h
-    pairs += list(zip(L._backward_reference(*args, dad=True), L._backward_triton(*args, tiles=t, dad=True),
+    # A_d's gradient summed in the kernel, in place of h; then B_g's and B_u's with it
+    pairs += list(zip(L._backward_reference(*args, shares=1), L._backward_triton(*args, tiles=t, shares=1),
                       strict=True))
     pairs.append((pairs[-2][0], (dyb.float().t() @ pairs[-6][0].float() * 1.5).to(dt)))  # = sd dyb^T h
+    dg, du, dad = pairs[2][1].float(), pairs[3][1].float(), pairs[8][1]  # the kernel's, one share and none
+    three = L._backward_triton(*args, tiles=t, shares=3)
+    pairs += list(zip(L._backward_reference(*args, shares=3), three, strict=True))
+    pairs += [(three[2][0], dad), (three[2][1], (xa[:, :r].float().t() @ dg * 0.5).to(dt)),
+              (three[2][2], (xa[:, r:].float().t() @ du * 2.0).to(dt))]  # = sg xa_g^T dg, su xa_u^T du
     for a, b in pairs:
         assert a.shape == b.shape and a.dtype == b.dtype
         worst = max(worst, ((a.float() - b.float()).abs().max() / a.float().abs().max()).item())
@@ -1097,12 +1104,14 @@ def test_the_mlp_kernels_compile_for_ampere_and_hopper(dtype, arch):
     from tunesmith import lora_mlp
 
     constexprs = {"R": 16, "RP": 16, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
-    for kernel, tiles in ((lora_mlp._swiglu_fwd_kernel, lora_mlp.TILES["forward"]),
-                          (lora_mlp._swiglu_bwd_kernel, lora_mlp.TILES["backward"])):
+    for kernel, tiles, shares in ((lora_mlp._swiglu_fwd_kernel, lora_mlp.TILES["forward"], None),
+                                  *((lora_mlp._swiglu_bwd_kernel, lora_mlp.TILES["backward"], s) for s in (0, 1, 3))):
         names = kernel.arg_names
-        consts = {**constexprs, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}
+        consts = {**constexprs, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
+                  **({} if shares is None else {"SHARES": shares})}
+        sums = ("HA", "DXA", *(("H",) if shares else ()))  # the row sums' and shares' fp32 slots
         signature = {n: "constexpr" if n in consts else "fp32" if n in ("sg", "su", "sd") else
-                     "*fp32" if n in ("HA", "DXA") else  # the row sums' fp32 slots
+                     "*fp32" if n in sums else
                      f"*{dtype}" if n.isupper() and n not in ("M", "N", "W") else "i32" for n in names}
         src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()})
         built = compile(src, target=GPUTarget("cuda", arch, 32),

@@ -51,7 +51,7 @@ def _forward_reference(g0, u0, xa, bg, bu, ad, sg, su):
     return h, (h.to(torch.float32) @ ad.to(torch.float32).t()).to(g0.dtype)
 
 
-def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, dad: bool = False):
+def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, shares: int = 0):
     g, u = _swiglu_reference(g0, u0, xa, bg, bu, sg, su)
     dh = torch.addmm(dh0.to(torch.float32), dyb.to(torch.float32), ad.to(torch.float32), alpha=sd)
     sig = torch.sigmoid(g)
@@ -61,8 +61,12 @@ def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, dad: bool 
     du = (dh * silu).to(dt)
     dxa = torch.cat([dg.to(f) @ bg.to(f) * sg, du.to(f) @ bu.to(f) * su], dim=1)
     h = (silu * u).to(dt)
-    if dad:  # A_d's gradient, sd dyb^T h, in place of h
-        h = (dyb.to(f).t() @ h.to(f) * sd).to(dt)
+    if shares:  # A_d's gradient, sd dyb^T h, in place of h; with 3, also B_g's and B_u's, transposed
+        grads = [dyb.to(f).t() @ h.to(f) * sd]
+        if shares == 3:
+            r = bg.shape[1]
+            grads += [xa[:, :r].to(f).t() @ dg.to(f) * sg, xa[:, r:].to(f).t() @ du.to(f) * su]
+        h = (grads[0] if shares == 1 else torch.stack(grads)).to(dt)
     return dg, du, h, dxa.to(dt)
 
 
@@ -108,9 +112,10 @@ if triton is not None:
     def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, DXA, M, N, W, stride_dh, stride_dyb, stride_g,
                            stride_u, stride_xa, stride_dg, stride_du, stride_h, sg, su, sd,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PRECISION: tl.constexpr, DAD: tl.constexpr):
-        # DAD: instead of h ([M, N]), each row block's share of A_d's gradient, dyb^T h ([R, N] in fp32, at H +
-        # row block * R * N), summed over the row blocks afterwards
+                           PRECISION: tl.constexpr, SHARES: tl.constexpr):
+        # SHARES 1: instead of h ([M, N]), each row block's share of A_d's gradient, sd dyb^T h ([R, N] in fp32, at
+        # H + row block * R * N), summed over the row blocks afterwards; 3: after it in the same slot, the shares of
+        # B_g's and B_u's gradients, transposed (sg xa_g^T dg and su xa_u^T du, from dg and du as stored)
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         seg = tl.program_id(1)
         rk = tl.arange(0, RP)
@@ -142,10 +147,14 @@ if triton is not None:
             du = (dh * silu).to(DU.dtype.element_ty)
             tl.store(DG + rows * stride_dg + rn[None, :], dg, mask=tile)
             tl.store(DU + rows * stride_du + rn[None, :], du, mask=tile)
-            if DAD:
+            if SHARES > 0:
                 h = (silu * u).to(DG.dtype.element_ty)  # as the product from a stored h would read it
-                part = H + tl.program_id(0).to(tl.int64) * R * N + rk[:, None] * N + rn[None, :]
-                tl.store(part, tl.dot(tl.trans(dyb), h, input_precision=PRECISION), mask=b_mask)
+                part = H + tl.program_id(0).to(tl.int64) * SHARES * R * N + rk[:, None] * N + rn[None, :]
+                tl.store(part, sd * tl.dot(tl.trans(dyb), h, input_precision=PRECISION), mask=b_mask)
+                if SHARES == 3:
+                    tl.store(part + R * N, sg * tl.dot(tl.trans(xa_g), dg, input_precision=PRECISION), mask=b_mask)
+                    tl.store(part + 2 * R * N, su * tl.dot(tl.trans(xa_u), du, input_precision=PRECISION),
+                             mask=b_mask)
             else:
                 tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
             dxa_g += tl.dot(dg, tl.trans(bg), input_precision=PRECISION)  # dg B_g, from dg as stored
@@ -172,6 +181,16 @@ MAX_SEGMENTS = 8
 # the backward's A_d part took 0.84x (8B row) and 0.78x (1B row) of the time (bench/lora_mlp.py --kernels-only), and
 # with ROPE_KERNEL the 8B training step ran 0.4-0.5% faster at 0.11 GiB less peak memory: on.
 DAD_IN_KERNEL = True
+
+# With DAD_IN_KERNEL, B_g's and B_u's gradients summed by the backward kernel too (each row block's shares of
+# xa_g^T dg and xa_u^T du next to A_d's), instead of by two products that read dg and du back.
+LORA_B_IN_KERNEL = False
+
+
+def shares() -> int:
+    """What the backward kernel writes in place of h: 0 (h itself), 1 (A_d's gradient's shares) or 3 (and B_g's
+    and B_u's), as DAD_IN_KERNEL and LORA_B_IN_KERNEL say."""
+    return (3 if LORA_B_IN_KERNEL else 1) if DAD_IN_KERNEL else 0
 
 # Multiply-adds fused into FMAs, as the kernels were measured (Triton's default until 3.9; 3.10 turns it off unless
 # asked for).
@@ -234,19 +253,20 @@ def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     return h, _summed(ha, g0.dtype)
 
 
-def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None, dad: bool = False):
+def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None, shares: int = 0):
     (m, n), r = g0.shape, bg.shape[1]
     bm, bn, width, grid, options = _layout(tiles or TILES["backward"], m, n, g0.device)
     dg, du = g0.new_empty(m, n), g0.new_empty(m, n)
-    # dad: a slot of A_d's gradient for each row block, in place of h
-    h = g0.new_empty(grid[0], r, n, dtype=torch.float32) if dad else g0.new_empty(m, n)
+    # shares: a slot of A_d's gradient (and B_g's and B_u's) for each row block, in place of h
+    h = g0.new_empty(grid[0], shares, r, n, dtype=torch.float32) if shares else g0.new_empty(m, n)
     dxa = g0.new_empty(grid[1], m, 2 * r, dtype=torch.float32)
     _swiglu_bwd_kernel[grid](
         dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, width, dh0.stride(0), dyb.stride(0), g0.stride(0),
         u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(-2), sg, su, sd, R=r, RP=_rank_pad(r),
-        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), DAD=dad, **options)
-    if dad:
-        h = h.sum(0).mul_(sd).to(g0.dtype)  # the row blocks' shares, in a fixed order
+        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), SHARES=shares, **options)
+    if shares:
+        h = h.sum(0).to(g0.dtype)  # the row blocks' shares, in a fixed order
+        h = h[0] if shares == 1 else h
     return dg, du, h, _summed(dxa, g0.dtype)
 
 
@@ -278,22 +298,25 @@ def _(g0, u0, xa, bg, bu, ad, sg, su):
 @torch.library.custom_op("tunesmith::lora_swiglu_backward", mutates_args=())
 def lora_swiglu_backward(dh0: torch.Tensor, dyb: torch.Tensor, ad: torch.Tensor, g0: torch.Tensor, u0: torch.Tensor,
                          xa: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor, sg: float, su: float,
-                         sd: float, dad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         sd: float, shares: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """With dh = dh0 + sd dyb ad (the SwiGLU output's gradient, the down projection's rank-r term included): the
     gradients of g and u ([m, n] each); the SwiGLU output h itself, which A_d's gradient needs ([m, n]), or with
-    `dad` that gradient, sd dyb^T h ([r, n]), summed in the same pass; and the gradient of xa,
+    `shares` 1 that gradient, sd dyb^T h ([r, n]), summed in the same pass, or with 3 that and B_g's and B_u's
+    gradients transposed, sg xa_g^T dg and su xa_u^T du ([3, r, n]); and the gradient of xa,
     [sg dg bg | su du bu] ([m, 2r])."""
+    if shares not in (0, 1, 3):
+        raise ValueError(f"shares is 0, 1 or 3, not {shares}")
     if _use_triton(g0):
         return _backward_triton(dh0.contiguous(), dyb.contiguous(), ad.contiguous(), g0.contiguous(),
                                 u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(), sg, su, sd,
-                                dad=dad)
-    return _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, dad=dad)
+                                shares=shares)
+    return _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, shares=shares)
 
 
 @lora_swiglu_backward.register_fake
-def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, dad=False):
+def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, shares=0):
     (m, n), r = g0.shape, bg.shape[1]
-    h = g0.new_empty(r, n) if dad else g0.new_empty(m, n)
+    h = g0.new_empty(m, n) if not shares else g0.new_empty(r, n) if shares == 1 else g0.new_empty(3, r, n)
     return g0.new_empty(g0.shape), g0.new_empty(g0.shape), h, g0.new_empty(m, 2 * r)
 
 
@@ -325,10 +348,14 @@ class LoraMLPFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dyb = dy @ bd
         dbd = (dy.t() @ ha).mul_(sd)
-        dg, du, h, dxa = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, DAD_IN_KERNEL)
-        dad = h if DAD_IN_KERNEL else (dyb.t() @ h).mul_(sd)
-        dbg = (dg.t() @ xa[:, :r]).mul_(sg)
-        dbu = (du.t() @ xa[:, r:]).mul_(su)
+        n_shares = shares()
+        dg, du, h, dxa = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, n_shares)
+        if n_shares == 3:
+            dad, dbg, dbu = h[0], h[1].t(), h[2].t()
+        else:
+            dad = h if n_shares else (dyb.t() @ h).mul_(sd)
+            dbg = (dg.t() @ xa[:, :r]).mul_(sg)
+            dbu = (du.t() @ xa[:, r:]).mul_(su)
         dx = products_sum([dg, wg, du, wu, dxa, agu], [1.0, 1.0, 1.0]) if ctx.needs_input_grad[0] else None
         dagu = dxa.t() @ x
         return dx, None, None, None, dagu, dbg, dbu, dad, dbd, None, None, None
