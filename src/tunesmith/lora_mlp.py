@@ -265,7 +265,7 @@ def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None, s
         u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(-2), sg, su, sd, R=r, RP=_rank_pad(r),
         BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), SHARES=shares, **options)
     if shares:
-        h = h.sum(0).to(g0.dtype)  # the row blocks' shares, in a fixed order
+        h = _summed(h, g0.dtype)  # the row blocks' shares, in a fixed order
         h = h[0] if shares == 1 else h
     return dg, du, h, _summed(dxa, g0.dtype)
 
