@@ -107,7 +107,7 @@ def kernels(a, m: int, inter: int, sums: dict) -> None:
     b0, b1 = lora_mlp._backward_reference(*bargs), bwd(*bargs)
     auto = {k: lora_mlp.auto_segments(-(-m // t[0]), torch.cuda.get_device_properties(0).multi_processor_count)
             for k, t in lora_mlp.TILES.items()}
-    print(f"  kernels at TILES {lora_mlp.TILES} (segments 0 here: {auto})")
+    print(f"  kernels at TILES {lora_mlp.TILES} (segments 0 here: {auto}), MASKLESS {lora_mlp.MASKLESS}")
     print(f"  kernels: forward {tf:.3f} ms ({3 * big / tf / 1e9:.2f} TB/s), backward {tb:.3f} ms "
           f"({6 * big / tb / 1e9:.2f} TB/s); against the fp32 reference: h {rel(h1[0], h0[0]):.1e}, "
           f"h A_d^T {rel(h1[1], h0[1]):.1e}, dg {rel(b1[0], b0[0]):.1e}, du {rel(b1[1], b0[1]):.1e}, "
@@ -166,7 +166,8 @@ def registers(rank: int) -> None:
     print(f"sm_90, bf16, LoRA r{rank}: registers and stack bytes per thread (Triton {triton.__version__})")
     for name, kernel in (("forward", lora_mlp._swiglu_fwd_kernel), ("backward", lora_mlp._swiglu_bwd_kernel)):
         for bm, bn, warps, _ in SWEEP[::4]:  # the segments change the grid, not the kernel
-            consts = {"R": rank, "RP": lora_mlp._rank_pad(rank), "PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn}
+            consts = {"R": rank, "RP": lora_mlp._rank_pad(rank), "PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn,
+                      "EVEN": True}
             if name == "backward":
                 consts["SHARES"] = lora_mlp.shares()
             names = kernel.arg_names
@@ -198,6 +199,8 @@ def main() -> None:
                     help="with --sweep: these tile layouts (BLOCK_M,BLOCK_N,warps,segments[,stages]) instead")
     ap.add_argument("--shares", type=int, choices=(0, 1, 3),
                     help="with --sweep: the backward kernel's shares (default: as the trainer runs it)")
+    ap.add_argument("--masked", action="store_true", help="load and store every tile with a mask, as the kernels "
+                    "do where the tiles do not cover the tensors exactly (lora_mlp.MASKLESS off)")
     ap.add_argument("--profile", action="store_true", help="CUDA kernel times of one forward + backward of each")
     ap.add_argument("--kernels-only", action="store_true", help="time the two kernels alone, not the modules")
     ap.add_argument("--registers", action="store_true",
@@ -206,6 +209,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.registers:
         return registers(a.rank)
+    if a.masked:
+        from tunesmith import lora_mlp
+
+        lora_mlp.MASKLESS = False
     import torch._functorch.config as functorch_config
 
     from tunesmith.fused import LEAN_BUDGET, fuse_mlp

@@ -1092,9 +1092,10 @@ def test_the_lora_aware_mlp_skips_the_input_gradient_where_none_is_asked_for():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("even", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("arch", [80, 90])
-def test_the_mlp_kernels_compile_for_ampere_and_hopper(dtype, arch):
+def test_the_mlp_kernels_compile_for_ampere_and_hopper(dtype, arch, even):
     """The kernels as the GPU would build them (Triton's own ptxas, no GPU needed): what the interpreter cannot
     check, such as the products' input precision for each dtype, at the tiles the trainer uses."""
     pytest.importorskip("triton")
@@ -1103,7 +1104,7 @@ def test_the_mlp_kernels_compile_for_ampere_and_hopper(dtype, arch):
 
     from tunesmith import lora_mlp
 
-    constexprs = {"R": 16, "RP": 16, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+    constexprs = {"R": 16, "RP": 16, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "EVEN": even}
     for kernel, tiles, shares in ((lora_mlp._swiglu_fwd_kernel, lora_mlp.TILES["forward"], None),
                                   *((lora_mlp._swiglu_bwd_kernel, lora_mlp.TILES["backward"], s) for s in (0, 1, 3))):
         names = kernel.arg_names
@@ -1115,5 +1116,9 @@ def test_the_mlp_kernels_compile_for_ampere_and_hopper(dtype, arch):
                      f"*{dtype}" if n.isupper() and n not in ("M", "N", "W") else "i32" for n in names}
         src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()})
         built = compile(src, target=GPUTarget("cuda", arch, 32),
-                        options={"num_warps": tiles[2], "enable_fp_fusion": lora_mlp.FMA})
+                        options=lora_mlp._options(tiles, {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                                                  "fp32": torch.float32}[dtype]))
         assert built.asm["cubin"] and ".target sm_" in built.asm["ptx"]
+        # what a program may have on every GPU the kernels serve (sm_75's 64 KB the least): bf16 and fp16 pipeline
+        # only the rank-r tiles, fp32 its full-size tiles at one stage
+        assert built.metadata.shared <= 64 * 1024

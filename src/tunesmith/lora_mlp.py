@@ -79,9 +79,25 @@ def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, shares: in
 if triton is not None:
 
     @triton.jit
+    def _load(ptr, mask, EVEN: tl.constexpr):
+        """A full-size tile; EVEN: the tiles cover the tensor exactly, so no mask (loads a mask would split)."""
+        if EVEN:
+            x = tl.load(ptr)
+        else:
+            x = tl.load(ptr, mask=mask, other=0.0)
+        return x
+
+    @triton.jit
+    def _store(ptr, x, mask, EVEN: tl.constexpr):
+        if EVEN:
+            tl.store(ptr, x)
+        else:
+            tl.store(ptr, x, mask=mask)
+
+    @triton.jit
     def _swiglu_fwd_kernel(G, U, XA, BG, BU, AD, H, HA, M, N, W, stride_g, stride_u, stride_xa, stride_h, sg, su,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PRECISION: tl.constexpr):
+                           PRECISION: tl.constexpr, EVEN: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         seg = tl.program_id(1)
         rk = tl.arange(0, RP)
@@ -99,12 +115,12 @@ if triton is not None:
             bg = tl.load(BG + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)  # B_g^T: [RP, BLOCK_N]
             bu = tl.load(BU + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
             adt = tl.load(AD + rk[None, :] * N + rn[:, None], mask=in_n[:, None] & in_k[None, :], other=0.0)
-            g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-            u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+            g = _load(G + rows * stride_g + rn[None, :], tile, EVEN).to(tl.float32)
+            u = _load(U + rows * stride_u + rn[None, :], tile, EVEN).to(tl.float32)
             g += sg * tl.dot(xa_g, bg, input_precision=PRECISION)
             u += su * tl.dot(xa_u, bu, input_precision=PRECISION)
             h = (g * tl.sigmoid(g) * u).to(H.dtype.element_ty)
-            tl.store(H + rows * stride_h + rn[None, :], h, mask=tile)
+            _store(H + rows * stride_h + rn[None, :], h, tile, EVEN)
             ha += tl.dot(h, adt, input_precision=PRECISION)  # h A_d^T, from h as stored
         tl.store(HA + seg.to(tl.int64) * M * R + rows * R + rk[None, :], ha, mask=a_mask)
 
@@ -112,7 +128,7 @@ if triton is not None:
     def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, DXA, M, N, W, stride_dh, stride_dyb, stride_g,
                            stride_u, stride_xa, stride_dg, stride_du, stride_h, sg, su, sd,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PRECISION: tl.constexpr, SHARES: tl.constexpr):
+                           PRECISION: tl.constexpr, SHARES: tl.constexpr, EVEN: tl.constexpr):
         # SHARES 1: instead of h ([M, N]), each row block's share of A_d's gradient, sd dyb^T h ([R, N] in fp32, at
         # H + row block * R * N), summed over the row blocks afterwards; 3: after it in the same slot, the shares of
         # B_g's and B_u's gradients, transposed (sg xa_g^T dg and su xa_u^T du, from dg and du as stored)
@@ -135,9 +151,9 @@ if triton is not None:
             bg = tl.load(BG + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
             bu = tl.load(BU + rn[None, :] * R + rk[:, None], mask=b_mask, other=0.0)
             ad = tl.load(AD + rk[:, None] * N + rn[None, :], mask=b_mask, other=0.0)  # A_d: [RP, BLOCK_N]
-            g = tl.load(G + rows * stride_g + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-            u = tl.load(U + rows * stride_u + rn[None, :], mask=tile, other=0.0).to(tl.float32)
-            dh = tl.load(DH + rows * stride_dh + rn[None, :], mask=tile, other=0.0).to(tl.float32)
+            g = _load(G + rows * stride_g + rn[None, :], tile, EVEN).to(tl.float32)
+            u = _load(U + rows * stride_u + rn[None, :], tile, EVEN).to(tl.float32)
+            dh = _load(DH + rows * stride_dh + rn[None, :], tile, EVEN).to(tl.float32)
             g += sg * tl.dot(xa_g, bg, input_precision=PRECISION)
             u += su * tl.dot(xa_u, bu, input_precision=PRECISION)
             dh += sd * tl.dot(dyb, ad, input_precision=PRECISION)
@@ -145,8 +161,8 @@ if triton is not None:
             silu = g * sig
             dg = (dh * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty)
             du = (dh * silu).to(DU.dtype.element_ty)
-            tl.store(DG + rows * stride_dg + rn[None, :], dg, mask=tile)
-            tl.store(DU + rows * stride_du + rn[None, :], du, mask=tile)
+            _store(DG + rows * stride_dg + rn[None, :], dg, tile, EVEN)
+            _store(DU + rows * stride_du + rn[None, :], du, tile, EVEN)
             if SHARES > 0:
                 h = (silu * u).to(DG.dtype.element_ty)  # as the product from a stored h would read it
                 part = H + tl.program_id(0).to(tl.int64) * SHARES * R * N + rk[:, None] * N + rn[None, :]
@@ -156,7 +172,7 @@ if triton is not None:
                     tl.store(part + 2 * R * N, su * tl.dot(tl.trans(xa_u), du, input_precision=PRECISION),
                              mask=b_mask)
             else:
-                tl.store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), mask=tile)
+                _store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), tile, EVEN)
             dxa_g += tl.dot(dg, tl.trans(bg), input_precision=PRECISION)  # dg B_g, from dg as stored
             dxa_u += tl.dot(du, tl.trans(bu), input_precision=PRECISION)
         out = DXA + seg.to(tl.int64) * M * (2 * R) + rows * (2 * R) + rk[None, :]
@@ -168,8 +184,11 @@ if triton is not None:
 # Segments 0: as many as it takes for PROGRAMS_PER_SM programs on each multiprocessor (a power of two, at most
 # MAX_SEGMENTS). On an H200 that is 4 for the 1B row's 256 row blocks and 8 for the 8B row's 128, the fastest or
 # within noise of it for both kernels (bench/results/h200-2026-12-02-lora-mlp-sweep2.txt); one segment left the 8B
-# row's single wave of 128 programs a quarter slower.
-TILES = {"forward": (64, 64, 4, 0), "backward": (64, 64, 4, 0)}
+# row's single wave of 128 programs a quarter slower. Four pipeline stages (of the small B and A tiles' loads; the
+# full-size tiles are loaded into registers, so shared memory stays at 16-22 KB a program on sm_80-sm_90 at any
+# depth): the forward 0.93x of Triton's default depth on the 8B row, the backward level
+# (2026-12-03, bench/results/h200-2026-12-03-even.txt).
+TILES = {"forward": (64, 64, 4, 0, 4), "backward": (64, 64, 4, 0, 4)}
 PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 8
 
@@ -191,6 +210,13 @@ def shares() -> int:
     """What the backward kernel writes in place of h: 0 (h itself), 1 (A_d's gradient's shares) or 3 (and B_g's
     and B_u's), as DAD_IN_KERNEL and LORA_B_IN_KERNEL say."""
     return (3 if LORA_B_IN_KERNEL else 1) if DAD_IN_KERNEL else 0
+
+# Pipeline stages in fp32, whatever TILES says (see _options).
+FP32_STAGES = 1
+
+# Tiles that cover the tensors exactly are loaded and stored without masks: on an H200 (2026-12-03) the kernels took
+# 0.94-0.97x the time of the masked ones at the 1B and 8B rows' shapes (bench/lora_mlp.py --masked).
+MASKLESS = True
 
 # Multiply-adds fused into FMAs, as the kernels were measured (Triton's default until 3.9; 3.10 turns it off unless
 # asked for).
@@ -230,13 +256,28 @@ def _segments(n: int, bn: int, segments: int, row_blocks: int = 1, device: torch
     return width, triton.cdiv(n, width)
 
 
-def _layout(tiles: tuple, m: int, n: int, device: torch.device) -> tuple[int, int, int, tuple[int, int], dict]:
+def _options(tiles: tuple, dtype: torch.dtype) -> dict:
+    """Launch options for a tile layout: its warps and pipeline stages (none given: Triton's default), but in fp32
+    FP32_STAGES, since there the full-size tiles go through shared memory too (with 64 x 64 tiles the backward
+    needs 148 KB at three stages, more than the 99 KB a program may have on sm_86/sm_89, 40 KB at one)."""
+    _, _, warps, _, *stages = tiles
+    stages = [FP32_STAGES] if dtype == torch.float32 else stages
+    return {"num_warps": warps, "enable_fp_fusion": FMA, **({"num_stages": stages[0]} if stages else {})}
+
+
+def _layout(tiles: tuple, m: int, n: int, device: torch.device, dtype: torch.dtype
+            ) -> tuple[int, int, int, tuple[int, int], dict]:
     """A tile layout (BLOCK_M, BLOCK_N, warps, segments[, pipeline stages]) for an m x n problem: BLOCK_M, BLOCK_N,
-    the segment width, the grid, and the launch options (no stages given: Triton's default)."""
-    bm, bn, warps, segments, *stages = tiles
+    the segment width, the grid, and the launch options."""
+    bm, bn, _, segments, *_ = tiles
     width, segments = _segments(n, bn, segments, triton.cdiv(m, bm), device)
-    options = {"num_warps": warps, "enable_fp_fusion": FMA, **({"num_stages": stages[0]} if stages else {})}
-    return bm, bn, width, (triton.cdiv(m, bm), segments), options
+    return bm, bn, width, (triton.cdiv(m, bm), segments), _options(tiles, dtype)
+
+
+def _even(m: int, n: int, bm: int, bn: int) -> bool:
+    """Whether the tiles cover an m x n tensor exactly (segments are whole tiles), so that with MASKLESS the
+    kernels load and store its tiles without masks."""
+    return MASKLESS and m % bm == 0 and n % bn == 0
 
 
 def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -245,17 +286,17 @@ def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
-    bm, bn, width, grid, options = _layout(tiles or TILES["forward"], m, n, g0.device)
+    bm, bn, width, grid, options = _layout(tiles or TILES["forward"], m, n, g0.device, g0.dtype)
     h, ha = g0.new_empty(m, n), g0.new_empty(grid[1], m, r, dtype=torch.float32)  # a slot for each segment
     _swiglu_fwd_kernel[grid](
         g0, u0, xa, bg, bu, ad, h, ha, m, n, width, g0.stride(0), u0.stride(0), xa.stride(0), h.stride(0), sg, su,
-        R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), **options)
+        R=r, RP=_rank_pad(r), BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), EVEN=_even(m, n, bm, bn), **options)
     return h, _summed(ha, g0.dtype)
 
 
 def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None, shares: int = 0):
     (m, n), r = g0.shape, bg.shape[1]
-    bm, bn, width, grid, options = _layout(tiles or TILES["backward"], m, n, g0.device)
+    bm, bn, width, grid, options = _layout(tiles or TILES["backward"], m, n, g0.device, g0.dtype)
     dg, du = g0.new_empty(m, n), g0.new_empty(m, n)
     # shares: a slot of A_d's gradient (and B_g's and B_u's) for each row block, in place of h
     h = g0.new_empty(grid[0], shares, r, n, dtype=torch.float32) if shares else g0.new_empty(m, n)
@@ -263,7 +304,7 @@ def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None, s
     _swiglu_bwd_kernel[grid](
         dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, width, dh0.stride(0), dyb.stride(0), g0.stride(0),
         u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(-2), sg, su, sd, R=r, RP=_rank_pad(r),
-        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), SHARES=shares, **options)
+        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), SHARES=shares, EVEN=_even(m, n, bm, bn), **options)
     if shares:
         h = _summed(h, g0.dtype)  # the row blocks' shares, in a fixed order
         h = h[0] if shares == 1 else h
