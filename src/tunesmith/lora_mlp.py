@@ -215,7 +215,7 @@ def shares() -> int:
 FP32_STAGES = 1
 
 # Tiles that cover the tensors exactly are loaded and stored without masks: on an H200 (2026-12-03) the kernels took
-# 0.94-0.97x the time of the masked ones at the 1B and 8B rows' shapes (bench/lora_mlp.py --masked).
+# 0.73-0.99x the time of the masked ones at the 1B and 8B rows' shapes in three calls (bench/lora_mlp.py --masked).
 MASKLESS = True
 
 # Multiply-adds fused into FMAs, as the kernels were measured (Triton's default until 3.9; 3.10 turns it off unless
