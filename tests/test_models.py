@@ -1,4 +1,5 @@
 import importlib.metadata
+import importlib.util
 
 import pytest
 import torch
@@ -12,6 +13,42 @@ def test_local_folder_loads_on_the_device_in_the_dtype(tiny_dir):
     assert next(model.parameters()).dtype == torch.bfloat16
     assert model.config._attn_implementation == "sdpa"
     assert tok.pad_token is not None and not model.training
+
+
+def _lean_norms(model) -> list[bool]:
+    """For each RMSNorm of the model: whether it runs fused.lean_layers' forward."""
+    from tunesmith import fused
+
+    return [getattr(vars(m).get("forward"), "__func__", None) is fused._lean_norm
+            for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def test_a_loaded_model_keeps_the_forwards_tunesmith_gives_its_layers_through_train_and_eval(tiny_dir):
+    from tunesmith import fused
+
+    model, _ = M.load_model(str(tiny_dir))
+    assert not getattr(model, "use_kernels", False)
+    assert fused.lean_layers(model) == ["rms_norm", "swiglu"]
+    model.train()
+    model.eval()
+    model.train()
+    kept = _lean_norms(model)
+    assert len(kept) == 5 and all(kept)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kernels") is None, reason="transformers' Hub kernels need `kernels`")
+def test_a_kernelized_model_handed_in_gets_its_own_forwards_back(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tunesmith import fused
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, use_kernels=True)
+    assert model.use_kernels
+    assert M.without_hub_kernels(model) is model and not model.use_kernels
+    fused.lean_layers(model)
+    model.train()
+    kept = _lean_norms(model)
+    assert len(kept) == 5 and all(kept)
 
 
 @pytest.mark.parametrize("spec,msg", [

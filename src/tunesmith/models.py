@@ -237,7 +237,8 @@ def _read_gguf(path: Path):
         (Path(tmp) / path.name).symlink_to(path.resolve())
         try:
             tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32,
+                                                         **NO_HUB_KERNELS)
         except (ValueError, OSError, KeyError) as e:
             raise TunesmithError(f"could not read GGUF file {path}: {e}") from None
     return model, tokenizer
@@ -345,9 +346,25 @@ def load_model(
         attn_implementation="sdpa",
         trust_remote_code=trust_remote_code,
         use_safetensors=None if allow_pickle else True,
+        **NO_HUB_KERNELS,
     )
     model.eval()
     return model, load_tokenizer(spec, trust_remote_code)
+
+
+# transformers 5.25 on "kernelizes" what from_pretrained loads, by default: layers take forwards fetched from the
+# Hugging Face Hub, and every later train() / eval() kernelizes again, which replaces any forward given to a module
+# instance -- tunesmith's lean norms and MLPs (fused.lean_layers) and Liger's kernels. So the loss in training differs
+# from one load path to another, and code would be downloaded at load. tunesmith loads without them.
+NO_HUB_KERNELS = {"use_kernels": False}
+
+
+def without_hub_kernels(model: torch.nn.Module) -> torch.nn.Module:
+    """A model handed to tunesmith (train(model=...)) back on its layers' own forwards, if transformers kernelized
+    it (NO_HUB_KERNELS says why); a model without kernels is returned as it is."""
+    if getattr(model, "use_kernels", False) and hasattr(model, "set_use_kernels"):
+        model.set_use_kernels(False)
+    return model
 
 
 def _check_weights(folder: Path, allow_pickle: bool) -> None:

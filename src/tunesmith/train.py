@@ -96,7 +96,7 @@ from tunesmith.fused import (
     unlean_layers,
 )
 from tunesmith.lora import attach_lora, save_adapter, trainable_parameters, unfreeze
-from tunesmith.models import load_model, load_tokenizer
+from tunesmith.models import load_model, load_tokenizer, without_hub_kernels
 from tunesmith.qlora import BASE_CODES, base_codes, quantized_scheme
 
 CALIBRATION_STEPS = 3  # steps timed before a time budget resizes the run
@@ -359,6 +359,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if calibrate and several:
         raise TunesmithError("--base-calibration runs in a one-process run (each process would calibrate on its "
                              "own): calibrate with one process and --max-steps 1, then --resume it with --gpus")
+    if model is not None:  # one handed in may be kernelized (models.NO_HUB_KERNELS): back to its own forwards
+        without_hub_kernels(model)
     if model is None:  # under FSDP2 into CPU memory: sharding moves each process's part onto its GPU
         model, tokenizer = load_model(cfg.model, torch.device("cpu") if fsdp else accelerator.device, dtype,
                                       cfg.trust_remote_code, allow_pickle=cfg.allow_pickle,

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError, missing_extra
+from tunesmith.models import NO_HUB_KERNELS
 
 # --quant -> (compute precision, weight compression); int8 is per output channel, int4 per block of group_size
 QUANTS = {"fp32": ("fp32", None), "fp16": ("fp16", None), "int8": ("fp16", "int8"), "int4": ("fp16", "int4")}
@@ -124,7 +125,7 @@ def load_step(model_dir: Path, max_seq_len: int) -> tuple[DecodeStep, object]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
+        model_dir, dtype=torch.float32, attn_implementation="eager", **NO_HUB_KERNELS
     ).eval()
     if model.config.model_type not in SUPPORTED_MODEL_TYPES:
         raise TunesmithError(

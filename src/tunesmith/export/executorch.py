@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from tunesmith.errors import TunesmithError, missing_extra
 from tunesmith.generate import stop_token_ids
+from tunesmith.models import NO_HUB_KERNELS
 
 QUANTS = ("fp32", "8w", "8da4w")
 REFUSED = {
@@ -209,7 +210,8 @@ def load_wrapper(model_dir: Path, max_seq_len: int, quant: str = "fp32", group_s
         model = load_quantized_model(model_dir)
         source = f"tunesmith quantize: {info.get('method')}"
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **NO_HUB_KERNELS)
+        model = model.eval().requires_grad_(False)
         source = "float weights" + ("" if quant == "fp32" else ", quantized here (round to nearest)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # padding_idx only shapes training gradients, and with it set the int8 gather is not recognised when lowering.
