@@ -55,7 +55,6 @@ def _one_process(config: dict):
     from tunesmith.evaluate import loss_sum
     from tunesmith.train import train
 
-    torch.set_num_threads(1)
     cfg = TrainConfig(**config)
     tok = make_tokenizer()
     steps: list[list] = [[]]
@@ -65,8 +64,13 @@ def _one_process(config: dict):
         return loss_sum(model, batch)
 
     data = load_data(cfg.data, tok, cfg.seq_len, cfg.val_fraction)
-    r = train(cfg, model=make_model(tok), tokenizer=tok, data=data, loss=recording,
-              callback=lambda _: steps.append([]), progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker: the same reduction order; restored for the tests after this one
+    try:
+        r = train(cfg, model=make_model(tok), tokenizer=tok, data=data, loss=recording,
+                  callback=lambda _: steps.append([]), progress=False)
+    finally:
+        torch.set_num_threads(threads)
     return r, steps[:-1]
 
 
