@@ -94,7 +94,7 @@ def fused_sdpa(device: torch.device, precision: str = "bf16", gqa: bool = False)
     """Whether scaled_dot_product_attention runs a fused kernel, so attention memory grows with S, not S^2.
 
     CUDA: flash attention takes bf16/fp16 (grouped-query too); in fp32 the memory-efficient kernel takes over, but
-    not for grouped-query attention, which then falls back to the math kernel (measured on an H200, torch 2.11).
+    not for grouped-query attention, which then falls back to the math kernel (memory growing with S^2).
     """
     if device.type == "cuda":
         if precision in ("bf16", "fp16") and torch.backends.cuda.flash_sdp_enabled():
@@ -196,8 +196,8 @@ def cpu_bf16_speedup() -> float:
     """How many times as fast this CPU multiplies bf16 matrices as fp32 ones, measured once per CPU model, torch
     version and thread count (well under a second) and kept in the cache folder.
 
-    CPUs differ both ways: an AMD EPYC with AVX512-BF16 ran a training step's products 2.5-3.5x as fast in bf16,
-    an Intel Xeon with AVX512-BF16 but no AMX 0.55x (docs/PERFORMANCE.md), so this is measured, not read from flags."""
+    CPUs differ both ways: with the same AVX512-BF16 flag, one runs bf16 products several times as fast as fp32 and
+    another (without AMX) at half the speed, so the answer is measured here, not read from the CPU's flags."""
     import json
     import time
 

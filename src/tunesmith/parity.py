@@ -29,9 +29,9 @@ class Tolerance:
     min_top1: float  # smallest share of positions whose arg-max token agrees
 
 
-# fp32 kernels differ only in summation order (H200 vs CPU, SmolLM2-135M: mean 2.8e-6). Half precisions round
-# every activation (bf16 keeps 8 bits of mantissa, fp16 11): bf16 logits drift by ~0.04 on average (H200 and CPU
-# alike) while the arg-max mostly holds. The maximum is reported, not judged: one logit near zero can move by 1-2
+# fp32 kernels differ only in summation order (a GPU against the CPU: a mean of a few 1e-6), so 1e-4 leaves room
+# without hiding a real bug. Half precisions round every activation (bf16 keeps 8 bits of mantissa, fp16 11): bf16
+# logits drift by a few hundredths on average, on a GPU and on the CPU alike, while the arg-max mostly holds. The maximum is reported, not judged: one logit near zero can move by 1-2
 # in bf16 without changing anything downstream. Greedy generations are reported too: in bf16 they part ways
 # wherever two tokens were nearly tied, which is expected.
 TOLERANCES = {
