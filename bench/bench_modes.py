@@ -1,10 +1,8 @@
 """The training modes side by side: LoRA, QLoRA (nf4 / int4 / int8 base), DoRA and full fine-tuning.
 
-    python bench/bench_modes.py quality [--device cpu] [--steps 60] [--modes lora,qlora-nf4,dora,full] [--loftq]
-    python bench/bench_modes.py quality --modes lora,qlora-nf4 --base-calibration 64
+    python bench/bench_modes.py quality [--device cpu] [--steps 60] [--modes lora,qlora-nf4,dora,full]
+    python bench/bench_modes.py quality --modes lora,qlora-nf4 --base-calibration 64 [--targets all-linear] [--lr 2e-3]
     python bench/bench_modes.py quality --precision bf16 --modes lora,qlora-fp8 --fp8-products
-                                        [--loftq-iters 5]
-                                        [--nf4-block 32] [--targets all-linear] [--lr 4e-3]
     python bench/bench_modes.py memory --device cuda --shape meta-llama/Llama-3.1-8B [--modes qlora-nf4,lora]
 
 quality: the demo's data and settings (the built-in SmolLM2-135M and Shakespeare, seq 256, micro-batch 4, LoRA r8
@@ -44,11 +42,7 @@ MODES = {  # name -> TrainConfig changes
 
 
 def quality(args) -> None:
-    import torch
-
-    import tunesmith.lora
     import tunesmith.qlora
-    import tunesmith.train
     from tunesmith.config import DemoConfig, TrainConfig, fields_of
     from tunesmith.data import load_data
     from tunesmith.device import resolve_device
@@ -67,8 +61,6 @@ def quality(args) -> None:
         if args.targets:
             changes["lora_targets"] = args.targets.split(",")
         scheme = changes.get("quantize_base", "none")
-        if args.nf4_block:
-            tunesmith.qlora.NF4_BLOCK = args.nf4_block
         if args.base_calibration and scheme != "none":  # GPTQ-chosen codes (--base-calibration), before "before"
             model, tok = load_model(demo.model, device)
             data = load_data(demo.data, tok, demo.seq_len, demo.val_fraction)
@@ -78,29 +70,20 @@ def quality(args) -> None:
             print(f"calibrated the {scheme} base on {args.base_calibration} blocks in {time.perf_counter() - t:.0f} s",
                   flush=True)
             changes["base_calibration"] = args.base_calibration
-            originals = None
-        elif args.loftq and scheme != "none":  # the full-precision weights are needed once more, after quantizing
-            model, tok = load_model(demo.model, device)
-            originals = {n: m.weight.detach().clone() for n, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()}
-            tunesmith.qlora.quantize_base(model, scheme)
         else:
             model, tok = load_model(demo.model, device, quantize_base=scheme)
-            originals = None
         data = load_data(demo.data, tok, demo.seq_len, demo.val_fraction)
         before = evaluate(model, data.valid, demo.batch_size, demo.eval_batches, tok.pad_token_id).perplexity
         cfg = TrainConfig(**{f.name: getattr(demo, f.name) for f in fields_of(TrainConfig)})
         cfg = dataclasses.replace(cfg, output=f"{args.out}/{mode}", max_steps=args.steps, time_budget=0.0,
-                                  min_steps=0, eval_every=0, device=str(device), precision=args.precision,
+                                  eval_every=0, device=str(device), precision=args.precision,
                                   checkpoint_every=0, lr=lr, **changes)
         t = time.perf_counter()
-        tunesmith.train.attach_lora = (_loftq_attach(originals, args.loftq_iters) if originals
-                                       else tunesmith.lora.attach_lora)
         # quantize_base on an injected model quantizes in place: already done by load_model here, so a no-op
         r = train(cfg, model=model, tokenizer=tok, data=data, progress=False)
         after = r.evals[-1][1].perplexity
         row = {"mode": mode, "base_calibration": changes.get("base_calibration", 0),
-               "loftq": args.loftq_iters if originals else 0, "nf4_block": args.nf4_block or None, "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
+               "targets": cfg.lora_targets, "lr": lr, "steps": r.steps, "ppl_before": before, "ppl_after": after,
                "drop": 1 - after / before, "trainable": r.trainable_params, "seconds": time.perf_counter() - t,
                "tokens_per_s": r.tokens / r.seconds, "peak_bytes": r.peak_memory_bytes, "losses": r.losses}
         rows.append(row)
@@ -112,39 +95,6 @@ def quality(args) -> None:
     if ref:
         for r in rows:
             print(f"{r['mode']}: held-out perplexity {r['ppl_after']:.2f}, {r['ppl_after'] / ref - 1:+.1%} against LoRA")
-
-
-def _loftq_attach(originals: dict, iters: int = 1):
-    """attach_lora, then each adapter on a quantized layer starts as the top-r SVD of that layer's quantization
-    error, so that base + adapter starts near the full-precision weight instead of at the quantized one. One
-    iteration (the default) keeps the base the plain quantized weight; with more (LoftQ's alternation), the base is
-    re-quantized from W minus the adapter's start each time, so it is no longer quant(W): an experiment only
-    (merge and resume in tunesmith assume quant(W))."""
-    import torch
-
-    from tunesmith.lora import attach_lora
-    from tunesmith.qlora import QuantLinear
-
-    def attach(model, *a, **k):
-        peft_model = attach_lora(model, *a, **k)
-        for name, m in peft_model.named_modules():
-            if isinstance(getattr(m, "base_layer", None), QuantLinear) and "default" in m.lora_A:
-                w = originals[name.removeprefix("base_model.model.")].float()
-                residual = w - m.base_layer.dequantize(torch.float32)
-                for _ in range(iters - 1):
-                    u, s, vh = torch.linalg.svd(residual, full_matrices=False)
-                    r = m.r["default"]
-                    start = (u[:, :r] * s[:r]) @ vh[:r]
-                    m.base_layer = QuantLinear.from_weight((w - start).to(originals[name.removeprefix(
-                        "base_model.model.")].dtype), m.base_layer.scheme)
-                    residual = w - m.base_layer.dequantize(torch.float32)
-                u, s, vh = torch.linalg.svd(residual, full_matrices=False)
-                r, root = m.r["default"], s[: m.r["default"]].sqrt() / m.scaling["default"] ** 0.5
-                m.lora_B["default"].weight.data.copy_(u[:, :r] * root)
-                m.lora_A["default"].weight.data.copy_(root[:, None] * vh[:r])
-        return peft_model
-
-    return attach
 
 
 # --------------------------------------------------------------------------------------------------- memory
@@ -265,11 +215,6 @@ def main() -> None:
     ap.add_argument("--full-lr", type=float, default=1e-4)
     ap.add_argument("--lr", type=float, default=0.0, help="quality: the adapters' learning rate (default: the demo's)")
     ap.add_argument("--targets", default="", help="quality: LoRA targets (default: the demo's q_proj,v_proj)")
-    ap.add_argument("--loftq", action="store_true",
-                    help="quality: QLoRA adapters start from the SVD of the quantization error (LoftQ, 1 iteration)")
-    ap.add_argument("--loftq-iters", type=int, default=1,
-                    help="quality: LoftQ's alternations (1: the base stays quant(W); more: an experiment)")
-    ap.add_argument("--nf4-block", type=int, default=0, help="quality: nf4 block size (default: torchao's 64)")
     ap.add_argument("--base-calibration", type=int, default=0,
                     help="quality: a quantized base's codes chosen by GPTQ on this many training blocks (train's flag)")
     ap.add_argument("--precision", default="fp32", help="quality: the training precision (the demo's: fp32)")

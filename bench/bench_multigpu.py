@@ -2,7 +2,7 @@
 seed, compared in one run.
 
 Each run is the CLI itself (`tunesmith train --gpus N --strategy S`), on random weights of a real shape and random
-tokens (bench/train_throughput.py's model folders and toy tokenizer; nothing is downloaded). The 1-GPU run takes
+tokens (bench/common.py's model folders and toy tokenizer; nothing is downloaded). The 1-GPU run takes
 N micro-batches per step (--grad-accum N) so that every run trains the same examples per step, at the same
 micro-batch. From each run's metrics.jsonl and fit.json:
 
@@ -33,10 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import L1B, L8B, OFFLINE_ENV, SMOL, Row, prepare  # noqa: E402
+from common import GIB, L1B, L8B, OFFLINE_ENV, SMOL, Row, model_folder
 
-GIB = 2**30
 ROWS = {r.name: r for r in [
     Row("smollm2", SMOL, 256, 4, 8, 16, ("q_proj", "v_proj")),  # micro-batch per GPU
     Row("llama-1b", L1B, 2048, 8, 16, 32, ("all-linear",)),
@@ -66,7 +64,7 @@ def run(a, row: Row, model: Path, data: Path, gpus: int, strategy: str, most: in
            "--batch-size", str(row.batch), "--grad-accum", str(most // gpus), "--max-steps", str(a.steps),
            "--lora-rank", str(row.rank), "--lora-alpha", str(row.alpha), "--lora-targets", ",".join(row.targets),
            "--lora-dropout", "0", "--lr", "1e-4", "--warmup-steps", "5", "--eval-every", "0",
-           "--checkpoint-every", str(a.steps // 2 if a.resume_check else 0), "--keep", "0", "--seed", "0",
+           "--checkpoint-every", str(a.steps // 2 if a.resume_check else 0), "--seed", "0",
            "--gpus", str(gpus), "--strategy", strategy]
     if row.name in CHECKPOINTING:
         cmd.append("--gradient-checkpointing")
@@ -133,7 +131,7 @@ def main() -> int:
     most = max(g for g, _ in runs)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    model = prepare(row, a.device, work)
+    model = model_folder(row, a.device, work)
     data = corpus(work, int(row.seq * row.batch * most * (a.steps + 2) * 1.1) + 1000)
     results = [run(a, row, model, data, g, s, most) for g, s in runs]
     ref = results[0]

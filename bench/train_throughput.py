@@ -51,36 +51,15 @@ import sys
 import tempfile
 import time
 import traceback
-from importlib import metadata
 from pathlib import Path
 
-GIB = 2**30
-L1B, L8B, SMOL = "meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B", "HuggingFaceTB/SmolLM2-135M-Instruct"
-ROPE_THETA = {L1B: 500_000.0, L8B: 500_000.0, SMOL: 100_000.0}
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+from common import GIB, L1B, L8B, OFFLINE_ENV, SMOL, Row, model_folder, versions
+
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QV = ("q_proj", "v_proj")
 TOOLS = ["tunesmith", "tunesmith-plain", "hf", "liger", "unsloth"]
-PLAIN_FLAGS = {"fused_loss": False, "liger": False, "compile": "off", "fused_adamw": False, "fused_lora": "off",
-               "fused_qkv": False, "recompute": False, "fused_mlp": "off",
-               "overlap_steps": False}
-# Every process runs offline and silent; UNSLOTH_DISABLE_STATISTICS stops Unsloth's environment ping at load.
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "HF_HUB_DISABLE_TELEMETRY": "1", "UNSLOTH_DISABLE_STATISTICS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    name: str
-    shape: str  # a tunesmith.memory.KNOWN_CONFIGS id (random weights), "tiny", or "real:<built-in alias>"
-    seq: int
-    batch: int
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]  # ("all-linear",) or module names
-
+PLAIN_FLAGS = {"fast_paths": "off"}  # the plain PyTorch + PEFT path: none of tunesmith's fast paths
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "liger-kernel", "unsloth", "unsloth_zoo")
 
 ROWS = {r.name: r for r in [
     Row("llama-1b", L1B, 2048, 8, 16, 32, ("all-linear",)),
@@ -97,48 +76,6 @@ DEFAULTS = {  # device -> rows, tools, steps, warm-up steps
 
 
 # ------------------------------------------------------------------------------------- models, data, FLOPs
-
-
-def prepare(row: Row, device: str, workdir: Path) -> Path:
-    """The model folder a row trains: the built-in's (converted once), or random weights of a real shape."""
-    if row.shape.startswith("real:"):
-        from tunesmith.models import resolve_model
-
-        return Path(resolve_model(row.shape[5:], progress=False))
-    folder = workdir / "models" / row.shape.split("/")[-1]
-    if (folder / "config.json").is_file():
-        return folder
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tunesmith.memory import KNOWN_CONFIGS
-
-    shape = TINY if row.shape == "tiny" else {**KNOWN_CONFIGS[row.shape], "rope_theta": ROPE_THETA[row.shape]}
-    config = LlamaConfig(**shape, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                         attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device("cuda" if device == "cuda" else "cpu"):  # an 8B initialises in seconds on the GPU
-        model = LlamaForCausalLM(config)
-    partial = folder.with_name(folder.name + ".partial")  # renamed once complete: a killed run leaves none
-    shutil.rmtree(partial, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(partial)
-    toy_tokenizer().save_pretrained(partial)
-    partial.rename(folder)
-    return folder
-
-
-def toy_tokenizer():
-    """A word-level tokenizer made in code, so that loaders that insist on one (Unsloth) find it offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<pad>", "<s>", "</s>", "<unk>"] + [chr(c) for c in range(33, 127)]
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")
 
 
 def examples(row: Row, steps: int, folder: Path) -> list[tuple[list[int], list[int]]]:
@@ -176,7 +113,7 @@ def flops_per_token(config: dict, row: Row) -> float:
 
 
 def parse_flags(text: str) -> dict:
-    """'fused_loss=False,chunk=4,lr=1e-3,x=y' -> {'fused_loss': False, 'chunk': 4, 'lr': 0.001, 'x': 'y'}."""
+    """'recompute=False,chunk=4,lr=1e-3,x=y' -> {'recompute': False, 'chunk': 4, 'lr': 0.001, 'x': 'y'}."""
     out = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, eq, raw = (x.strip() for x in item.partition("="))
@@ -206,7 +143,7 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
             precision="bf16" if a.device == "cuda" else "fp32", seq_len=row.seq, batch_size=row.batch,
             max_steps=a.steps, lr=2e-4, warmup_steps=0, lora_rank=row.rank, lora_alpha=row.alpha,
             lora_dropout=a.dropout, lora_targets=list(row.targets), eval_every=0, checkpoint_every=0,
-            log_every=1, seed=0, overwrite=True,
+            seed=0, overwrite=True,
         )
         cfg = TrainConfig(**{**settings, **flags})  # --ts-flags may override any of these (precision=bf16...)
         # StepRecord.elapsed is read right after the step's synchronize, before the end-of-run checkpoint.
@@ -300,9 +237,7 @@ def worker(a) -> dict:
     data = examples(row, a.steps, folder)
     run = run_tunesmith if a.worker.startswith("tunesmith") else run_trainer
     times, losses, trainable, notes = run(a, row, folder, data)
-    # The last step is left out too: with --overlap-steps each step's time is taken when the next step's loss
-    # has been launched, which waits on Liger's loss (a host read) partway into that step, while the last step
-    # ends with no next one, so it alone would count only the part after that point.
+    # The last step is left out too, as the warm-up steps are: the timed window the published figures used.
     timed = times[a.warmup:-1] or times
     tps = row.batch * row.seq / (sum(timed) / len(timed))
     peak = (torch.cuda.max_memory_allocated() if a.device == "cuda"  # the whole run's, loading included
@@ -426,14 +361,6 @@ def gpu_state(samples: list[tuple[float, ...]], step_ends: list[float], warmup: 
             "temp_c_max": max(s[3] for s in inside), "samples": len(inside)}
 
 
-def versions() -> dict:
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("torch", "transformers", "peft", "accelerate", "liger-kernel", "unsloth", "unsloth_zoo"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[pkg] = metadata.version(pkg)
-    return out
-
-
 def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -507,7 +434,7 @@ def drive(a) -> int:
     parse_flags(a.ts_flags)  # a malformed --ts-flags stops here, not in every worker
     workdir = Path(a.workdir)
     out = Path(a.out) if a.out else workdir / "results.jsonl"
-    env = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": a.device, **versions(), "steps": steps,
+    env = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": a.device, **versions(*PACKAGES), "steps": steps,
            "warmup": warmup}
     peak_flops = 0.0
     if a.device == "cuda":
@@ -600,7 +527,7 @@ def main() -> int:
             if a.peak:
                 result = measure_peak()
             elif a.prepare:
-                result = {"folder": str(prepare(ROWS[a.prepare], a.device, Path(a.workdir)))}
+                result = {"folder": str(model_folder(ROWS[a.prepare], a.device, Path(a.workdir)))}
             else:
                 result = worker(a)
     except Exception as e:  # the table shows the error; the log keeps the traceback
