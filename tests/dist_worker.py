@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch  # noqa: E402  -- (the repository root is on PYTHONPATH: test_distributed's _env)
 
 torch.set_num_threads(1)  # the same reduction order in every process, and no oversubscribed cores
 
@@ -29,6 +28,7 @@ def main(spec_path: str) -> int:
     from tunesmith.data import load_data
     from tunesmith.errors import TunesmithError
     from tunesmith.evaluate import loss_sum
+    from tunesmith.kernels import lora_mlp
 
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ["RANK"])
@@ -39,8 +39,10 @@ def main(spec_path: str) -> int:
         real = getattr(T, name)
         setattr(T, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
     fused_mlps: list[int] = []  # how many MLPs each fuse_mlp call routed through the LoRA-aware function
-    real_fuse = T.fuse_mlp
-    T.fuse_mlp = lambda model: (fused_mlps.append(n := real_fuse(model)), n)[1]
+    real_fuse = lora_mlp.fuse_mlp
+    lora_mlp.fuse_mlp = lambda model: (fused_mlps.append(n := real_fuse(model)), n)[1]
+    if spec.get("force_mlp"):  # the LoRA-aware MLP off CUDA: its plain-PyTorch reference
+        lora_mlp.LoraMLP.applies = lambda self, setting, model: setting.lora
     real_save = T.Checkpointer.save
     T.Checkpointer.save = lambda self, *a, **k: (calls.append("checkpoint"), real_save(self, *a, **k))[1]
 

@@ -37,7 +37,7 @@ def test_train_records_the_base_in_the_adapter_and_in_every_checkpoint(tmp_path,
     from tunesmith.checkpoint import verify
     from tunesmith.train import train
 
-    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=2, checkpoint_every=1, keep=0),
+    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, max_steps=2, checkpoint_every=1),
               progress=False)
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
     assert len(checkpoints) == 2

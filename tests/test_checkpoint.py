@@ -1,5 +1,6 @@
 """Checkpoints: what is in one, atomic saves that fail cleanly, retention, verification, the non-finite guard."""
 
+import contextlib
 import errno
 import hashlib
 import importlib
@@ -30,18 +31,31 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _train(tmp_path, tiny_dir, text_file, name="run", progress=False, **kw):
-    base = dict(max_steps=4, checkpoint_every=2, keep=0, lora_dropout=0.1)
+@contextlib.contextmanager
+def _keeping(n: int | None):
+    """Runs keep `n` checkpoints (0: all; None: the trainer's own number) inside the block."""
+    kept = ck.KEEP
+    ck.KEEP = kept if n is None else n
+    try:
+        yield
+    finally:
+        ck.KEEP = kept
+
+
+def _train(tmp_path, tiny_dir, text_file, name="run", progress=False, keep=0, **kw):
+    base = dict(max_steps=4, checkpoint_every=2, lora_dropout=0.1)
     cfg = tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / name), **{**base, **kw})
-    return train(cfg, progress=progress)
+    with _keeping(keep):
+        return train(cfg, progress=progress)
 
 
-def _injected(tmp_path, text_file, tokenizer, name="run", model=None, **kw):
+def _injected(tmp_path, text_file, tokenizer, name="run", model=None, keep=0, **kw):
     """A run on a model the test holds (to hook it), with the tiny data."""
-    base = dict(max_steps=5, checkpoint_every=1, keep=0, lora_dropout=0.0)
+    base = dict(max_steps=5, checkpoint_every=1, lora_dropout=0.0)
     cfg = tiny_train_config(tmp_path, "injected", text_file, output=str(tmp_path / name), **{**base, **kw})
     data = load_data(str(text_file), tokenizer, cfg.seq_len, cfg.val_fraction)
-    return train(cfg, model=model or make_model(tokenizer), tokenizer=tokenizer, data=data, progress=False)
+    with _keeping(keep):
+        return train(cfg, model=model or make_model(tokenizer), tokenizer=tokenizer, data=data, progress=False)
 
 
 def _bytes(folder: Path) -> dict[str, bytes]:
@@ -89,8 +103,8 @@ def test_a_checkpoint_is_plain_files_a_marker_and_sha256s(tmp_path, tiny_dir, te
     assert check_adapter_folder(last) == last
 
 
-def test_keep_leaves_the_newest_n(tmp_path, tiny_dir, text_file):
-    r = _train(tmp_path, tiny_dir, text_file, max_steps=5, checkpoint_every=1, keep=2)
+def test_a_run_keeps_the_two_newest_checkpoints(tmp_path, tiny_dir, text_file):
+    r = _train(tmp_path, tiny_dir, text_file, max_steps=5, checkpoint_every=1, keep=None)
     assert sorted(p.name for p in (r.run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
 
 
@@ -113,9 +127,9 @@ def test_resume_is_a_flag_with_an_optional_path(tmp_path):
     assert parsed() is None and parsed("--resume") is True and parsed("--resume", "runs/x/checkpoints/step-000010") \
         == "runs/x/checkpoints/step-000010"
     assert parsed("--resume", "--lr", "1e-3") is True
-    (tmp_path / "run.yaml").write_text("resume: true\nkeep: 3\non_config_mismatch: refuse\n")
+    (tmp_path / "run.yaml").write_text("resume: true\n")
     cfg = build_config(TrainConfig, tmp_path / "run.yaml")
-    assert (cfg.resume, cfg.keep, cfg.on_config_mismatch, TrainConfig().resume) == (True, 3, "refuse", False)
+    assert (cfg.resume, TrainConfig().resume) == (True, False)
 
 
 def test_a_tampered_state_json_is_a_named_error_not_a_crash(tmp_path, tiny_dir, text_file):
@@ -212,15 +226,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, tiny_d
     assert _equal(_weights(r.adapter_dir), final)
 
 
-@pytest.mark.parametrize("policy", ["refuse", "warn"])
-def test_changed_settings_are_refused_or_warned_and_then_apply(tmp_path, tiny_dir, text_file, capsys, policy):
+def test_changed_settings_are_warned_about_and_then_apply(tmp_path, tiny_dir, text_file, capsys):
     first = _train(tmp_path, tiny_dir, text_file, max_steps=4, checkpoint_every=2)
     step2 = str(first.run_dir / "checkpoints" / "step-000002")
-    kw = dict(max_steps=4, checkpoint_every=2, resume=step2, lr=5e-3, on_config_mismatch=policy, progress=True)
-    if policy == "refuse":
-        with pytest.raises(TunesmithError, match=r"settings differ from the checkpoint's: lr: 0.01 -> 0.005\. "):
-            _train(tmp_path, tiny_dir, text_file, **kw)
-        return
+    kw = dict(max_steps=4, checkpoint_every=2, resume=step2, lr=5e-3, progress=True)
     r = _train(tmp_path, tiny_dir, text_file, **kw)
     assert "with settings that differ from the checkpoint's: lr: 0.01 -> 0.005" in capsys.readouterr().err
     lrs = [row["lr"] for row in _rows(r.run_dir, "train")]
@@ -277,7 +286,7 @@ def _inf_loss(logits: torch.Tensor) -> torch.Tensor:
 
 def _poison(model, steps: set[int], how) -> None:
     """With grad-accum 1, the n-th training forward belongs to step n. The hook sits on the output layer's logits,
-    which only the plain loss computes: these runs take --no-fused-loss (test_fused poisons the fused path)."""
+    which only the plain loss computes: these runs take --fast-paths off (test_kernels poisons the fused loss)."""
     calls = {"n": 0}
 
     def hook(module, args, output):
@@ -315,7 +324,7 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_weights(tmp_path, text_file
     calls = _fused_adamw_on_the_cpu(monkeypatch) if on_device else None
     model = make_model(tokenizer)
     _poison(model, {3}, how)
-    r = _injected(tmp_path, text_file, tokenizer, model=model, max_steps=5, fused_loss=False)
+    r = _injected(tmp_path, text_file, tokenizer, model=model, max_steps=5, fast_paths="off")
     if on_device:
         assert len(calls) == 5  # every step's verdict taken by the fused kernel
     root = r.run_dir / "checkpoints"
@@ -332,12 +341,13 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_weights(tmp_path, text_file
     assert [row["step"] for row in _rows(r.run_dir, "train")] == [1, 2, 4, 5] and len(r.losses) == 4
 
 
-def test_k_bad_steps_in_a_row_stop_the_run_with_the_last_checkpoint_intact(tmp_path, text_file, tokenizer):
+def test_k_bad_steps_in_a_row_stop_the_run_with_the_last_checkpoint_intact(tmp_path, text_file, tokenizer,
+                                                                          monkeypatch):
+    monkeypatch.setattr(importlib.import_module("tunesmith.train"), "MAX_BAD_STEPS", 3)
     model = make_model(tokenizer)
     _poison(model, {3, 4, 5}, _inf_loss)
     with pytest.raises(TunesmithError) as e:
-        _injected(tmp_path, text_file, tokenizer, model=model, max_steps=8, checkpoint_every=2, max_bad_steps=3,
-                  fused_loss=False)
+        _injected(tmp_path, text_file, tokenizer, model=model, max_steps=8, checkpoint_every=2, fast_paths="off")
     msg = str(e.value)
     assert msg.startswith("steps 3..5: the loss or gradient norm was NaN/inf 3 times in a row")
     assert "step-000004, is intact" in msg and "Lower --lr (now 0.01)" in msg and "--resume" in msg
@@ -370,70 +380,3 @@ def test_the_on_device_step_with_early_batches_resumes_exactly(tmp_path, tiny_di
     assert again.losses == ref.losses and len(ref.losses) == 6 and ref.losses[-1] < ref.losses[0]
     a, b = _weights(ref.adapter_dir, "adapter_model.safetensors"), _weights(again.adapter_dir, "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _adapter(result) -> dict:
-    return _weights(result.adapter_dir, "adapter_model.safetensors")
-
-
-def test_overlapped_steps_train_bit_for_bit_as_steps_read_one_by_one(tmp_path, tiny_dir, text_file, monkeypatch):
-    """--overlap-steps (the on-device skip's path, taken on the CPU; off by default): the next step's passes are launched before
-    this step's loss is read, except before a checkpoint, an evaluation or the end; the losses, the evaluations
-    and the adapter are those of the run that reads each step first, bit for bit (dropout and accumulation on)."""
-    T = importlib.import_module("tunesmith.train")
-    _fused_adamw_on_the_cpu(monkeypatch)
-    events, launch = [], T._launch_early
-    monkeypatch.setattr(T, "_launch_early", lambda *a: events.append(("early", a[2].step)) or launch(*a))
-    kw = dict(max_steps=7, checkpoint_every=3, eval_every=5, grad_accum=2, batch_size=1, lora_dropout=0.05)
-    on = train(tiny_train_config(tmp_path / "on", tiny_dir, text_file, overlap_steps=True, **kw), progress=False,
-               callback=lambda r: events.append(("done", r.step)))
-    # step k + 1 (0-based k) goes out before step k is done, except after steps 3 and 6 (checkpoints), 5 (an
-    # evaluation) and 7 (the end)
-    assert events == [("early", 1), ("done", 1), ("early", 2), ("done", 2), ("done", 3), ("early", 4), ("done", 4),
-                      ("done", 5), ("done", 6), ("done", 7)]
-    events.clear()
-    off = train(tiny_train_config(tmp_path / "off", tiny_dir, text_file, **kw), progress=False)  # the default
-    assert not events
-    assert on.losses == off.losses and len(on.losses) == 7 and on.losses[-1] < on.losses[0]
-    assert [(s, e.loss) for s, e in on.evals] == [(s, e.loss) for s, e in off.evals] and len(on.evals) == 2
-    a, b = _adapter(on), _adapter(off)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_signal_during_an_overlapped_step_checkpoints_the_next_and_resumes_exactly(tmp_path, tiny_dir, text_file,
-                                                                                    monkeypatch):
-    """A stop signal that lands while the next step's passes are already launched (whose dropout has drawn from the
-    random state a checkpoint saves) is taken at the end of that next step: the checkpoint is complete, and the
-    resumed run gives the uninterrupted run's losses and adapter bit for bit."""
-    import os
-    import shutil
-
-    from tunesmith.errors import Interrupted
-
-    T = importlib.import_module("tunesmith.train")
-    _fused_adamw_on_the_cpu(monkeypatch)
-    launch, landed = T._launch_early, []
-
-    def signalling(*a):
-        out = launch(*a)
-        if a[2].step == 1:  # (0-based: step 2's passes, launched at the end of step 1)
-            os.kill(os.getpid(), signal.SIGINT)  # a real signal, to the handler train() installed
-            landed.append(a[2].step)
-        return out
-
-    kw = dict(max_steps=5, checkpoint_every=0, lora_dropout=0.05, overlap_steps=True)
-    ref = train(tiny_train_config(tmp_path / "ref", tiny_dir, text_file, **kw), progress=False)
-    monkeypatch.setattr(T, "_launch_early", signalling)
-    with pytest.raises(Interrupted) as e:
-        train(tiny_train_config(tmp_path / "cut", tiny_dir, text_file, **kw), progress=False)
-    assert landed == [1] and "after step 2" in str(e.value)  # sent during step 1's end, taken after step 2
-    run = tmp_path / "cut" / "run"
-    assert ck.newest_checkpoint(run / "checkpoints").step == 2
-    monkeypatch.setattr(T, "_launch_early", launch)
-    # resumed without overlapping (a setting that changes no result: no mismatch to refuse), to the same bits
-    kw.update(overlap_steps=False, on_config_mismatch="refuse")
-    again = train(tiny_train_config(tmp_path / "cut", tiny_dir, text_file, resume=True, **kw), progress=False)
-    assert again.losses == ref.losses and len(ref.losses) == 5
-    a, b = _adapter(ref), _adapter(again)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    shutil.rmtree(run)

@@ -35,11 +35,8 @@ BAD_VALUES = [
     ("train", "--lora-dropout", "1", "--lora-dropout must be in [0, 1), got 1"),
     ("train", "--eval-every", "-1", "--eval-every must be >= 0, got -1"),
     ("train", "--eval-batches", "-1", "--eval-batches must be >= 0, got -1"),
-    ("train", "--log-every", "0", "--log-every must be >= 1, got 0"),
     ("train", "--time-budget", "-1", "--time-budget must be >= 0, got -1"),
     ("train", "--checkpoint-every", "-1", "--checkpoint-every must be >= 0, got -1"),
-    ("train", "--keep", "-1", "--keep must be >= 0, got -1"),
-    ("train", "--max-bad-steps", "0", "--max-bad-steps must be >= 1, got 0"),
     ("train", "--seed", "-1", "--seed must be in [0, 4294967295], got -1"),
     ("train", "--precision", "fp8", "--precision must be one of auto, fp32, bf16, fp16, got 'fp8'"),
     ("generate", "--temperature", "-1", "--temperature must be >= 0, got -1"),
@@ -127,6 +124,36 @@ def test_an_unknown_verb_or_flag_suggests_the_nearest_on_one_line(argv, message,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--no-fused-loss"], "--fused-loss was removed: the fast paths are chosen for the model and device; "
+                                   "--fast-paths off turns them all off"),
+    (["train", "--fused-mlp", "on"], "--fused-mlp was removed: the fast paths are chosen"),
+    (["train", "--overlap-steps"], "--overlap-steps was removed: steps no longer overlap"),
+    (["train", "--keep", "3"], "--keep was removed: the two newest checkpoints are kept"),
+    (["train", "--dist-timeout", "60"], "--dist-timeout was removed: set TUNESMITH_DIST_TIMEOUT"),
+    (["demo", "--cuda-graphs", "off"], "--cuda-graphs was removed"),
+])
+def test_a_removed_flag_names_what_replaces_it(argv, message, nothing_loads, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tunesmith {argv[0]}: error: {message}") and err.count("\n") == 1
+
+
+def test_a_removed_key_in_a_yaml_file_names_what_replaces_it(tmp_path, nothing_loads, capsys):
+    y = tmp_path / "run.yaml"
+    y.write_text("lr: 1e-3\nliger: false\n")
+    assert main(["train", "--config", str(y)]) == 2
+    assert capsys.readouterr().err.startswith(f"tunesmith train: error: {y}: --liger was removed: the fast paths")
+
+
+def test_the_fast_paths_and_their_two_escape_hatches_are_train_flags():
+    from tunesmith.config import TrainConfig
+
+    cfg = C.build_config(TrainConfig, None, {"fast_paths": "off", "compile": "on", "recompute": False})
+    assert (cfg.fast_paths, cfg.compile, cfg.recompute) == ("off", "on", False)
+    assert TrainConfig().fast_paths == "auto"
 
 
 def test_version(capsys):

@@ -26,7 +26,7 @@ from tests.conftest import CORPUS, make_model, make_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 STEPS, PER_STEP = 4, 4  # 2 processes x micro-batch 2 == 1 process x micro-batch 4
 BASE = dict(device="cpu", seq_len=32, max_steps=STEPS, lr=1e-2, warmup_steps=1, lora_dropout=0.0, eval_every=2,
-            checkpoint_every=2, keep=0, seed=0, fused_loss=False)
+            checkpoint_every=2, seed=0, fast_paths="off")
 
 
 def _env() -> dict:
@@ -35,11 +35,13 @@ def _env() -> dict:
     return env
 
 
-def _two_processes(tmp_path: Path, name: str, config: dict, rank_overrides: dict | None = None) -> list[dict]:
+def _two_processes(tmp_path: Path, name: str, config: dict, rank_overrides: dict | None = None,
+                   force_mlp: bool = False) -> list[dict]:
     out = tmp_path / f"{name}-out"
     out.mkdir()
     spec = tmp_path / f"{name}.json"
-    spec.write_text(json.dumps({"config": config, "out": str(out), "rank_overrides": rank_overrides or {}}))
+    spec.write_text(json.dumps({"config": config, "out": str(out), "rank_overrides": rank_overrides or {},
+                                "force_mlp": force_mlp}))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist_worker.py"), str(spec)],
                           capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
@@ -133,11 +135,14 @@ def test_two_processes_train_as_one_shard_sync_write_once_and_resume_exactly(tmp
 
 
 @pytest.mark.slow
-def test_two_processes_with_the_lora_aware_mlp_train_as_one(tmp_path, corpus):
+def test_two_processes_with_the_lora_aware_mlp_train_as_one(tmp_path, corpus, monkeypatch):
     """DDP over the LoRA-aware MLP (on by default on CUDA; here its plain-PyTorch reference): the gradients of its
     adapters are synchronized like PEFT's, and the run is the 1-process run."""
-    kw = {**BASE, "data": str(corpus), "lora_targets": ["all-linear"], "fused_mlp": "on"}
-    r0, r1 = _two_processes(tmp_path, "mlp", {**kw, "output": str(tmp_path / "two"), "batch_size": 2})
+    from tunesmith.kernels import lora_mlp
+
+    kw = {**BASE, "data": str(corpus), "lora_targets": ["all-linear"], "fast_paths": "auto"}
+    r0, r1 = _two_processes(tmp_path, "mlp", {**kw, "output": str(tmp_path / "two"), "batch_size": 2}, force_mlp=True)
+    monkeypatch.setattr(lora_mlp.LoraMLP, "applies", lambda self, setting, model: setting.lora)
     one, _ = _one_process({**kw, "output": str(tmp_path / "one"), "batch_size": 4})
     assert r0["fused_mlps"] == r1["fused_mlps"] == [2]  # both layers' MLPs, on each process
     assert r0["weights"] == r1["weights"]

@@ -115,8 +115,8 @@ def test_activations_equal_what_autograd_keeps(tokenizer, precision, dropout, ta
     ("bf16", 0.0, ["all-linear"]),
 ])
 def test_recompute_activations_equal_what_autograd_keeps(tokenizer, precision, dropout, targets):
-    """--recompute's eager functions (fused.lean_layers) against the tensors saved for backward, as above."""
-    from tunesmith import fused
+    """--recompute's eager functions (kernels.recompute.lean_layers) against the tensors saved for backward, as above."""
+    from tunesmith.kernels import recompute
 
     b, s = 2, 64
     kept, predicted = {}, {}
@@ -126,7 +126,7 @@ def test_recompute_activations_equal_what_autograd_keeps(tokenizer, precision, d
         assert shape.lean
         model = attach_lora(model, 8, 16.0, dropout, targets)
         if lean:
-            assert fused.lean_layers(model) == ["rms_norm", "swiglu"]
+            assert recompute.lean_layers(model) == ["rms_norm", "swiglu"]
         kept[lean] = _kept_by_one_forward(model, shape.vocab, b, s, precision, False)
         setup = M.TrainSetup(seq_len=s, batch_size=b, lora_targets=tuple(targets), lora_dropout=dropout,
                              precision=precision, device_type="cpu", recompute=lean)
@@ -192,12 +192,12 @@ def test_full_fine_tuning_activations_equal_what_autograd_keeps(tokenizer, preci
     """Full fine-tuning as train runs it (the whole model in fp32, autocast for bf16; with num_layers only the last
     layers' parameters train; `lean`: --recompute's eager functions): the plan equals the saved tensors to the byte,
     once the rotary tables and the loss's targets, which it leaves out, are added."""
-    from tunesmith import fused
+    from tunesmith.kernels import recompute
 
     model = make_model(tokenizer, layers=3, hidden=128)
     shape = M.ModelShape.from_config(model.config)
     if lean:
-        assert fused.lean_layers(model) == ["rms_norm", "swiglu"]
+        assert recompute.lean_layers(model) == ["rms_norm", "swiglu"]
     model.requires_grad_(num_layers == 0)
     for layer in model.model.layers[3 - num_layers:] if num_layers else []:
         layer.requires_grad_(True)
@@ -436,9 +436,9 @@ def test_memory_flag_rejects_bad_sizes(capsys, tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_fused_loss_keeps_one_hidden_sized_gradient_instead_of_the_logits(tokenizer, precision):
-    """With tunesmith.fused's loss autograd keeps the activations and d loss / d hidden of the supervised rows; the
+    """With the fused loss (kernels.loss) autograd keeps the activations and d loss / d hidden of the supervised rows; the
     plan adds what lives only while the loss runs (one chunk of logits, the gathered hidden states)."""
-    from tunesmith.fused import chunk_rows, chunked_loss_sum
+    from tunesmith.kernels.loss import chunk_rows, chunked_loss_sum
 
     model = make_model(tokenizer, layers=3, hidden=128).to(torch.bfloat16 if precision == "bf16" else torch.float32)
     shape = M.ModelShape.from_config(model.config)

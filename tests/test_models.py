@@ -16,19 +16,19 @@ def test_local_folder_loads_on_the_device_in_the_dtype(tiny_dir):
 
 
 def _lean_norms(model) -> list[bool]:
-    """For each RMSNorm of the model: whether it runs fused.lean_layers' forward."""
-    from tunesmith import fused
+    """For each RMSNorm of the model: whether it runs recompute.lean_layers' forward."""
+    from tunesmith.kernels import recompute
 
-    return [getattr(vars(m).get("forward"), "__func__", None) is fused._lean_norm
+    return [getattr(vars(m).get("forward"), "__func__", None) is recompute._lean_norm
             for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
 
 
 def test_a_loaded_model_keeps_the_forwards_tunesmith_gives_its_layers_through_train_and_eval(tiny_dir):
-    from tunesmith import fused
+    from tunesmith.kernels import recompute
 
     model, _ = M.load_model(str(tiny_dir))
     assert not getattr(model, "use_kernels", False)
-    assert fused.lean_layers(model) == ["rms_norm", "swiglu"]
+    assert recompute.lean_layers(model) == ["rms_norm", "swiglu"]
     model.train()
     model.eval()
     model.train()
@@ -40,12 +40,12 @@ def test_a_loaded_model_keeps_the_forwards_tunesmith_gives_its_layers_through_tr
 def test_a_kernelized_model_handed_in_gets_its_own_forwards_back(tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    from tunesmith import fused
+    from tunesmith.kernels import recompute
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, use_kernels=True)
     assert model.use_kernels
     assert M.without_hub_kernels(model) is model and not model.use_kernels
-    fused.lean_layers(model)
+    recompute.lean_layers(model)
     model.train()
     kept = _lean_norms(model)
     assert len(kept) == 5 and all(kept)

@@ -226,7 +226,7 @@ def scenario_kills(tiny: str, data: str, root: str, kills: int, seed: int) -> di
 
     def argv(run: Path, resume: bool) -> list[str]:
         return ["train", "--model", tiny, "--data", data, "--output", str(run), *COMMON, "--max-steps", str(KILLS_STEPS),
-                "--checkpoint-every", "2", "--keep", "2", *(["--resume"] if resume else [])]
+                "--checkpoint-every", "2", *(["--resume"] if resume else [])]
 
     ref = root_p / "reference"
     out: dict = {"reference": str(ref), "reference_rc": _wait(_fork(argv(ref, False), root_p / "reference.log"))}

@@ -87,9 +87,9 @@ def test_an_injected_loss_is_what_trains_and_the_callback_sees_every_step(tmp_pa
         return loss_sum(model, batch)
 
     seen: list[StepRecord] = []
-    default = _run(tmp_path, tiny_dir, text_file, tokenizer, "default", fused_loss=False)
-    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "injected")), loss=counted,
-              callback=seen.append, progress=False)
+    default = _run(tmp_path, tiny_dir, text_file, tokenizer, "default", fast_paths="off")
+    r = train(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / "injected"), fast_paths="off"),
+              loss=counted, callback=seen.append, progress=False)
     assert calls == [2] * 5 and r.losses == default.losses  # one micro-batch of 2 per step, the same losses
     rows = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if row["kind"] == "train"]
@@ -160,11 +160,17 @@ def test_budget_horizon(budget, elapsed, total, min_steps, expected):
     assert budget_horizon(budget, elapsed, 3, total, min_steps) == expected
 
 
-def test_min_steps_trains_that_many_steps_however_little_the_budget(tmp_path, tiny_dir, text_file, tokenizer):
+def test_the_demo_s_min_steps_trains_that_many_steps_however_little_the_budget(tmp_path, tiny_dir, text_file):
     # A 1 ms budget is spent after any real step, so without a floor the run stops at step 4 (test_checkpoint).
-    r = _run(tmp_path, tiny_dir, text_file, tokenizer, "floor", max_steps=50, time_budget=1e-3, min_steps=7)
+    from tunesmith.config import DemoConfig, to_dict
+
+    def demo_config(name, **kw):
+        base = to_dict(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / name)))
+        return DemoConfig(**{**base, "name": name, **kw})
+
+    r = train(demo_config("floor", max_steps=50, time_budget=1e-3, min_steps=7), progress=False)
     assert r.steps == 7 and len(r.losses) == 7
-    capped = _run(tmp_path, tiny_dir, text_file, tokenizer, "capped", max_steps=6, time_budget=1e-3, min_steps=40)
+    capped = train(demo_config("capped", max_steps=6, time_budget=1e-3, min_steps=40), progress=False)
     assert capped.steps == 6
 
 
@@ -217,3 +223,17 @@ def test_the_demo_refuses_before_loading_anything_with_no_overwrite(tmp_path, ca
     err = capsys.readouterr().err
     assert "already holds a run (an adapter)" in err and "--overwrite" in err
     assert sorted(p.name for p in run.iterdir()) == ["adapter"]
+
+
+def test_the_wait_for_other_processes_comes_from_the_environment(monkeypatch):
+    from tunesmith.errors import TunesmithError
+    from tunesmith.train import DIST_TIMEOUT, dist_timeout
+
+    monkeypatch.delenv("TUNESMITH_DIST_TIMEOUT", raising=False)
+    assert dist_timeout() == DIST_TIMEOUT == 300.0
+    monkeypatch.setenv("TUNESMITH_DIST_TIMEOUT", "60")
+    assert dist_timeout() == 60.0
+    for bad in ("0", "-5", "soon", "inf"):
+        monkeypatch.setenv("TUNESMITH_DIST_TIMEOUT", bad)
+        with pytest.raises(TunesmithError, match="TUNESMITH_DIST_TIMEOUT must be a number of seconds > 0"):
+            dist_timeout()

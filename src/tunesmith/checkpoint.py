@@ -48,9 +48,9 @@ CODES, SCALES = ".codes8", ".scales8"  # an 8-bit optimizer moment, saved as its
 TRAINABLE = "trainable.safetensors"  # full fine-tuning: the trained parameters by name (a checkpoint is no adapter)
 PREFIX = "step-"
 # Settings that change how a run is kept or logged, not what it computes: they may differ on resume without a word.
-BOOKKEEPING = frozenset({"output", "resume", "on_config_mismatch", "keep", "checkpoint_every", "log_every",
-                         "eval_every", "eval_batches", "allow_pickle", "max_bad_steps", "device", "precision",
-                         "gpus", "strategy", "dist_timeout", "overlap_steps"})
+BOOKKEEPING = frozenset({"output", "resume", "checkpoint_every", "eval_every", "eval_batches", "allow_pickle", "device",
+                         "precision", "gpus", "strategy"})
+KEEP = 2  # checkpoints kept, newest first: the older one stands in if the newest is damaged
 Echo = Callable[[str], None]
 
 
@@ -92,13 +92,12 @@ class Checkpointer:
     what the others hold passed in (their RNG states; under FSDP2 the gathered weights and optimizer state)."""
 
     def __init__(self, run_dir: str | Path, cfg, device: str, precision: str, data_fingerprint: str,
-                 echo: Echo = _stderr):
+                 echo: Echo = _stderr, keep: int | None = None):
         self.run_dir, self.root = Path(run_dir), Path(run_dir) / "checkpoints"
         self.config = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        self.keep = int(getattr(cfg, "keep", 0))
-        for flag in ("keep", "checkpoint_every"):
-            if getattr(cfg, flag, 0) < 0:
-                raise TunesmithError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(cfg, flag)}")
+        self.keep = KEEP if keep is None else keep  # 0: all
+        if getattr(cfg, "checkpoint_every", 0) < 0:
+            raise TunesmithError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
         self.identity = {"device": device, "precision": precision, "data": data_fingerprint}
         self.echo = echo
 
@@ -213,17 +212,12 @@ class Checkpointer:
             raise TunesmithError(f"--resume {resume}: no such checkpoint or run folder")
         return newest_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path, self.echo)
 
-    def check_config(self, ckpt: Checkpoint, policy: str) -> None:
-        """Warn about (or, with policy 'refuse', refuse) settings that differ from the checkpoint's, all in one."""
+    def check_config(self, ckpt: Checkpoint) -> None:
+        """Warn about settings that differ from the checkpoint's, all in one line."""
         diffs = self.differences(ckpt)
         if not diffs:
             return
         listing = "; ".join(diffs)
-        if policy == "refuse":
-            raise TunesmithError(
-                f"--resume {ckpt.path}: settings differ from the checkpoint's: {listing}. Resume with the "
-                "checkpoint's settings, or pass --on-config-mismatch warn to go on with these"
-            )
         self.echo(f"warning: resuming {ckpt.path} with settings that differ from the checkpoint's: {listing}")
 
     def differences(self, ckpt: Checkpoint) -> list[str]:

@@ -32,6 +32,8 @@ class _Parser(argparse.ArgumentParser):
             self.error(str(e))
         if extra and self.prog != "tunesmith":  # a verb's parser: name what it does not know, here
             word = extra[0].split("=", 1)[0]
+            if word.startswith("-") and C.removed(word):
+                self.error(C.removed(word))
             if word.startswith("-"):
                 self.error(f"unknown flag {word}{_nearest(word, self._option_string_actions)}; "
                            f"`{self.prog} --help` lists them")

@@ -27,6 +27,32 @@ DEFAULT_DATA = "shakespeare"
 DEMO_PROMPTS = ("ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow, lords,")  # the demo's samples and ladder
 
 
+# Flags that train had and has no longer, and what a user writes instead: given as a flag or a YAML key, each is one
+# error that says so (not an "unknown flag" with a guess).
+REMOVED = {
+    **dict.fromkeys(("fused_loss", "liger", "cuda_graphs", "fused_lora", "fused_qkv", "fused_mlp", "pack_records",
+                     "fused_adamw"), "the fast paths are chosen for the model and device; --fast-paths off turns "
+                    "them all off (--compile and --recompute turn off one each)"),
+    "overlap_steps": "steps no longer overlap (it measured level with the default): drop the flag",
+    "log_every": "metrics.jsonl records every step: drop the flag",
+    "max_bad_steps": "training stops after 5 non-finite steps in a row: drop the flag",
+    "on_config_mismatch": "--resume warns about settings that differ from the checkpoint's: drop the flag",
+    "dist_timeout": "set TUNESMITH_DIST_TIMEOUT (seconds, default 300) in the environment instead",
+    "min_steps": "--time-budget alone decides (the demo keeps --min-steps): drop the flag",
+    "keep": "the two newest checkpoints are kept: drop the flag",
+}
+
+
+def removed(name: str) -> str | None:
+    """The error for a flag or YAML key that was removed (--no-fused-loss too), or None."""
+    key = name.lstrip("-").replace("-", "_")
+    if key not in REMOVED and key.startswith("no_"):
+        key = key[3:]
+    if key not in REMOVED:
+        return None
+    return f"{flag(key)} was removed: {REMOVED[key]}"
+
+
 @dataclass(frozen=True)
 class Bounds:
     """The values a numeric field allows; str() reads as the error says it: '> 0', '>= 1', 'in [0, 1)'."""
@@ -236,57 +262,22 @@ class TrainConfig(DataConfig, ModelConfig):
                          "memory; needs tunesmith[qlora])", choices=["adamw", "adamw8bit"])
     eval_every: int = opt(50, "evaluate on the validation split every N steps (0: only at the end)", bounds=COUNT)
     eval_batches: int = opt(0, "validation batches per evaluation (0: the whole split)", bounds=COUNT)
-    log_every: int = opt(1, "write a metrics.jsonl line every N steps", bounds=AT_LEAST_1)
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
-    fused_loss: bool = opt(True, "cross-entropy a few hundred tokens at a time, gradient included, never holding the "
-                           "whole [batch, seq, vocab] logits (--no-fused-loss: the plain path)")
-    liger: bool = opt(True, "on CUDA, Liger Kernel's Triton RMSNorm, SwiGLU and RoPE for Llama-family models, and its "
-                      "fused linear cross-entropy for the fused loss, where liger-kernel is installed (pip install "
-                      "'tunesmith[cuda]')")
+    fast_paths: str = opt("auto", "auto: the fast paths that apply to this model and device (a fused loss, fused "
+                          "LoRA and q/k/v, Liger's and tunesmith's Triton kernels on CUDA, compiled layers, packed "
+                          "records, cheap activations recomputed; docs/PERFORMANCE.md); off: the plain "
+                          "transformers + PEFT path", choices=["auto", "off"])
     compile: str = opt("auto", "torch.compile each decoder layer (regional: the first compiles, the rest reuse it): "
-                       "auto (on CUDA), on, off", choices=["auto", "on", "off"])
-    cuda_graphs: str = opt("auto", "replay each compiled decoder layer as a CUDA graph (torch.compile's reduce-overhead "
-                           "mode): one launch instead of dozens, which is what bounds a small model's step; Liger's "
-                           "kernels give way to the compiler's own fusions there. auto: on where layers are compiled "
-                           "on one CUDA GPU for LoRA, without gradient checkpointing or a quantized base; on; off", choices=["auto", "on", "off"])
-    recompute: bool = opt(True, "keep less for the backward pass and recompute cheap elementwise results instead: "
-                          "compiled layers through torch.compile's activation memory budget (0.9: the normed "
-                          "inputs and the SwiGLU product recomputed; on an H200 0.72x (Llama-3.2-1B) and 0.76x "
-                          "(Llama-3.1-8B) the peak at 0.99x the speed); eager Llama-family layers (CPU, MPS, "
-                          "--compile off) through plain-PyTorch RMSNorm and SwiGLU functions that keep their "
-                          "inputs only")
-    fused_lora: str = opt("auto", "each LoRA layer adds its low-rank product into the base layer's output (and its "
-                          "input gradient) in place, instead of building, scaling and adding a full-size tensor. "
-                          "auto: on where the layers run eagerly (CPU, MPS, --compile off), off in compiled layers, "
-                          "whose compiler fuses PEFT's own path faster; on; off (PEFT's own forward)",
-                          choices=["auto", "on", "off"])
-    fused_qkv: bool = opt(True, "Llama-family attention with LoRA on any of q_proj, k_proj, v_proj at dropout 0: the "
-                          "three projections as one product over their joined frozen weights, the LoRA "
-                          "down-projections as one more (the input read once, not once per adapter); on CUDA, RoPE "
-                          "applied straight out of the joined product by one Triton kernel a direction")
-    fused_mlp: str = opt("auto", "Llama-family MLP with LoRA on gate_proj, up_proj and down_proj at dropout 0 "
-                         "(rank up to 32): one function whose SwiGLU kernel makes the gate and up LoRA terms in registers (never as "
-                         "full-size tensors), adds the down projection's into its gradient and sums A_d's gradient. auto: on CUDA where "
-                         "Triton is installed; on (elsewhere in plain PyTorch, fp32 inside: for checking, not "
-                         "speed); off (PEFT's layers)", choices=["auto", "on", "off"])
-    pack_records: str = opt("auto", "micro-batches of .jsonl records of different lengths packed into fewer rows "
-                            "(each record still attends only to itself), so less compute goes to padding. auto: on "
-                            "for Llama-family models where the layers run eagerly (CPU, MPS, --compile off); on; off",
-                            choices=["auto", "on", "off"])
-    fused_adamw: bool = opt(True, "on CUDA, torch's fused AdamW kernel")
-    overlap_steps: bool = opt(False, "with the fused AdamW on one CUDA GPU: launch the next step's forward and "
-                              "backward passes before reading this step's loss and gradient norm, so the GPU need "
-                              "not wait for Python between steps (steps that evaluate, checkpoint or end the run "
-                              "read first; the same losses either way). Off by default: measured level on an H200")
+                       "auto (on CUDA with --fast-paths auto), on, off", choices=["auto", "on", "off"])
+    recompute: bool = opt(True, "with --fast-paths auto: keep less for the backward pass and recompute cheap "
+                          "elementwise results (norms, the gated MLP's product) instead, for less memory at a "
+                          "small cost in speed")
     time_budget: float = opt(
         0.0, "fit training into about this many seconds: after 3 steps the step count is cut to fit (0: no limit)",
         bounds=COUNT,
     )
-    min_steps: int = opt(0, "the time budget never cuts the run below this many steps (--max-steps still caps it)",
-                         bounds=COUNT)
     checkpoint_every: int = opt(50, "save a resumable checkpoint every N optimizer steps, and at the end (0: only at the end)",
                                 bounds=COUNT)
-    keep: int = opt(2, "checkpoints to keep, newest first (0: all); old ones go only after a new one is saved", bounds=COUNT)
     resume: bool | str = opt(
         False, "continue from the newest complete checkpoint in --output, or from the checkpoint folder PATH",
         type=resume_value, nargs="?", const=True, metavar="PATH",
@@ -294,20 +285,11 @@ class TrainConfig(DataConfig, ModelConfig):
     overwrite: bool = opt(
         False, "replace the run already in --output (its adapter, checkpoints, metrics); without it train refuses"
     )
-    on_config_mismatch: str = opt(
-        "warn", "when --resume finds settings that differ from the checkpoint's: warn and go on, or refuse",
-        choices=["warn", "refuse"],
-    )
     gpus: int = opt(0, "launch this many processes, one per CUDA GPU, data-parallel through torch's launcher (0 or 1: "
                     "this process only); with --device cpu, that many CPU processes on gloo", bounds=COUNT)
     strategy: str = opt("ddp", "with several processes: ddp (each GPU holds the whole model) or fsdp (FSDP2 shards "
                         "the frozen base, the adapter and the optimizer over the GPUs; CUDA only)",
                         choices=["ddp", "fsdp"])
-    dist_timeout: float = opt(300.0, "seconds a process waits for the others at a synchronisation point before it "
-                              "stops with an error (a process that died does not leave the rest hanging)",
-                              bounds=POSITIVE)
-    max_bad_steps: int = opt(5, "stop after this many steps in a row with a NaN/inf loss or gradient (each is skipped)",
-                             bounds=AT_LEAST_1)
     allow_pickle: bool = opt(
         False, "let --model load pickle weights (.bin/.pt, read with weights_only=True) when it has no safetensors; "
         "pickle files can run code"
@@ -417,7 +399,7 @@ class DemoConfig(TrainConfig):
     output: str = opt("", "run folder (default: <runs-dir>/<name>)")
     lr: float = same_as(
         TrainConfig, "lr", default=3e-3,
-        help="peak learning rate (AdamW); high because the demo trains for minutes (bench/demo_sweep.py)",
+        help="peak learning rate (AdamW); high because the demo trains for minutes (docs/PERFORMANCE.md, the demo)",
     )
     warmup_steps: int = same_as(TrainConfig, "warmup_steps", default=5)
     max_steps: int | None = same_as(TrainConfig, "max_steps", default=120,
@@ -425,10 +407,8 @@ class DemoConfig(TrainConfig):
     batch_size: int | str = same_as(TrainConfig, "batch_size", help="micro-batch size")
     time_budget: float = same_as(TrainConfig, "time_budget", default=300.0,
                                  help="seconds of training to aim for; the step count is cut to fit the device")
-    min_steps: int = same_as(
-        TrainConfig, "min_steps", default=40,
-        help="steps trained however slow the machine (held-out perplexity falls by a quarter by step 20: docs/PERFORMANCE.md)",
-    )
+    min_steps: int = opt(40, "the time budget never cuts the run below this many steps, however slow the machine "
+                         "(held-out perplexity falls by a quarter by step 20: docs/PERFORMANCE.md)", bounds=COUNT)
     overwrite: bool = opt(True, "replace the earlier demo run in <runs-dir>/<name> (--no-overwrite refuses instead)")
     eval_batches: int = same_as(TrainConfig, "eval_batches", default=8,
                                 help="validation batches for the before/after perplexity")
@@ -476,7 +456,8 @@ class FitConfig(ModelConfig):
     base_calibration: int = same_as(TrainConfig, "base_calibration")
     num_layers: int = same_as(TrainConfig, "num_layers")
     optimizer: str = same_as(TrainConfig, "optimizer")
-    fused_loss: bool = same_as(TrainConfig, "fused_loss")
+    fast_paths: str = same_as(TrainConfig, "fast_paths", help="plan for the fast paths (auto: the fused loss, "
+                              "where the model allows it) or the plain path (off)")
     gpus: int = same_as(TrainConfig, "gpus")
     strategy: str = same_as(TrainConfig, "strategy")
     memory_gib: float = opt(0.0, "plan for a machine with this much memory instead of this one: 16GiB, 16GB (10^9 "
@@ -694,6 +675,9 @@ def build_config(cls: type, yaml_path: str | Path | None = None, overrides: dict
         loaded = read_yaml(yaml_path)
         canonical = {name: f.name for f in known.values() for name in names_of(f)}
         unknown = sorted(set(loaded) - set(canonical))
+        gone = [removed(k) for k in unknown if removed(k)]
+        if gone:
+            raise TunesmithError(f"{yaml_path}: {gone[0]}")
         if unknown:
             raise TunesmithError(
                 f"{yaml_path}: unknown option(s) {', '.join(unknown)} for this command; known: {', '.join(sorted(known))}"

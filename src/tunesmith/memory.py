@@ -113,13 +113,13 @@ class ModelShape:
     head_name: str = "lm_head"
     tied: bool = False  # output head shares the embedding matrix
     parameters: dict[str, int] = field(default_factory=dict)  # parameter name -> numel (tied ones once)
-    lean: bool = False  # a Llama-family model with a SiLU MLP: --recompute's eager functions apply (fused.lean_layers)
+    lean: bool = False  # a Llama-family model with a SiLU MLP: --recompute's eager functions apply (kernels.recompute)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
         from transformers import AutoModelForCausalLM
 
-        from tunesmith.fused import LIGER_MODEL_TYPES
+        from tunesmith.kernels.liger import MODEL_TYPES as LIGER_MODEL_TYPES
 
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         with torch.device("meta"):
@@ -169,7 +169,7 @@ class TrainSetup:
     optimizer: str = "adamw"  # adamw | adamw8bit (| sgd: no state)
     gradient_checkpointing: bool = False
     fused_sdpa: bool = True  # False: attention scores (B x heads x S x S) are materialised
-    fused_loss: bool = False  # True: cross-entropy in row chunks (tunesmith.fused), no [B x S x vocab] logits
+    fused_loss: bool = False  # True: cross-entropy in row chunks (tunesmith.kernels.loss), no [B x S x vocab] logits
     device_type: str = "cuda"  # cuda's dropout keeps a 1-byte mask; the CPU and MPS keep fp32 noise
     fine_tune_type: str = "lora"  # lora | dora | full (the weights themselves, held in fp32 under autocast)
     quantize_base: str = "none"  # none | nf4 | int4 | int8 | fp8: the frozen base's decoder linears (lora, dora)
@@ -306,7 +306,7 @@ def layer_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
 
 
 def _lean(shape: ModelShape, s: TrainSetup) -> bool:
-    """Whether train applies --recompute's eager functions (fused.lean_layers; not under FSDP2, whose layers it
+    """Whether train applies --recompute's eager functions (kernels.recompute; not under FSDP2, whose layers it
     leaves as they are)."""
     return s.recompute and shape.lean and not (s.strategy == "fsdp" and s.world > 1)
 
@@ -449,7 +449,7 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     if s.fused_loss:
         # One chunk's fp32 logits (softmax and gradient in the same memory) and, under autocast, their half copy;
         # the supervised rows' hidden states and their gradient, computed in the forward pass and kept.
-        from tunesmith.fused import chunk_rows
+        from tunesmith.kernels.loss import chunk_rows
 
         rows = min(s.batch_size * (s.seq_len - 1), chunk_rows(s.device_type, shape.vocab))
         logits = rows * shape.vocab * (4 if s.precision == "fp32" else 6) + 2 * s.batch_size * s.seq_len * shape.hidden * a
@@ -660,7 +660,7 @@ def distributed_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int], t
     a = 4 if s.precision == "fp32" else 2
     layers = 2 * (in_layers // max(1, shape.layers)) * a
     # The output layer's group stays gathered from the end of the forward pass until its backward; the fused loss
-    # of a frozen head gives it back before the backward pass (tunesmith.fused), when the layers' turn comes.
+    # of a frozen head gives it back before the backward pass (tunesmith.kernels.loss), when the layers' turn comes.
     frozen_head = s.fused_loss and not (s.full and s.num_layers <= 0)
     sharded["fsdp_gathered"] = max(head * w, layers) if frozen_head else head * w + layers
     return sharded
@@ -696,10 +696,10 @@ def plan_run(
         lora_targets=tuple(cfg.lora_targets), lora_dropout=cfg.lora_dropout, precision=precision,
         optimizer=getattr(cfg, "optimizer", "adamw"), gradient_checkpointing=cfg.gradient_checkpointing,
         fused_sdpa=fused_sdpa(device, precision, shape.kv_heads < shape.heads), device_type=device.type,
-        fused_loss=bool(getattr(cfg, "fused_loss", False)),
+        fused_loss=getattr(cfg, "fast_paths", None) == "auto",
         fine_tune_type=getattr(cfg, "fine_tune_type", "lora"), quantize_base=getattr(cfg, "quantize_base", "none"),
         num_layers=int(getattr(cfg, "num_layers", 0)), world=max(1, world),
-        strategy=getattr(cfg, "strategy", "ddp"), recompute=bool(getattr(cfg, "recompute", True)),
+        strategy=getattr(cfg, "strategy", "ddp"), recompute=bool(getattr(cfg, "recompute", True)) and getattr(cfg, "fast_paths", "auto") == "auto",
         base_calibration=int(getattr(cfg, "base_calibration", 0)) if not getattr(cfg, "resume", False) else 0,
     )
     p = plan(shape, setup, total, available)

@@ -354,7 +354,7 @@ def load_model(
 
 # transformers 5.25 on "kernelizes" what from_pretrained loads, by default: layers take forwards fetched from the
 # Hugging Face Hub, and every later train() / eval() kernelizes again, which replaces any forward given to a module
-# instance -- tunesmith's lean norms and MLPs (fused.lean_layers) and Liger's kernels. So the loss in training differs
+# instance -- tunesmith's lean norms and MLPs (kernels.recompute) and Liger's kernels. So the loss in training differs
 # from one load path to another, and code would be downloaded at load. tunesmith loads without them.
 NO_HUB_KERNELS = {"use_kernels": False}
 

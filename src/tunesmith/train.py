@@ -1,8 +1,10 @@
 """Fine-tuning on accelerate (one device, or several processes: DDP or FSDP2, under --gpus N, torchrun or
 `accelerate launch`): LoRA, DoRA, LoRA on a quantized base (QLoRA), or full fine-tuning.
 
-Shaped as litgpt shapes it: `train()` sets up (device, precision, accelerator, data, model, LoRA, optimizer,
-schedule, resume), runs `train_loop()` -- the loop, readable top to bottom -- and finishes (saves the adapter,
+Shaped as litgpt shapes it: `train()` sets up in four named steps (`_place`: device, precision, processes;
+`_load`: data and model; `_attach`: the trainable parameters, then the fast paths of `tunesmith.kernels`; `_start`:
+optimizer, schedule, a fresh start or the checkpoint's state), runs `train_loop()` -- the loop, readable top to
+bottom, each step's parts a function of their own -- and finishes (saves the adapter, undoes the fast paths,
 returns the result). Writing the report is the caller's job (the CLI, the demo). The loss and a per-step callback
 can be passed in, as in mlx-lm's `train(..., loss=..., training_callback=...)`.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tunesmith import kernels
 from tunesmith.checkpoint import (
     Checkpoint,
     Checkpointer,
@@ -75,34 +79,18 @@ from tunesmith.distributed import (
 )
 from tunesmith.errors import Interrupted, PeerLost, TunesmithError
 from tunesmith.evaluate import EvalResult, evaluate, loss_sum
-from tunesmith.fused import (
-    apply_liger,
-    chunked_loss_sum,
-    compile_layers,
-    eager_layers,
-    fuse_lora,
-    fuse_mlp,
-    fuse_qkv,
-    lean_layers,
-    liger_available,
-    own_gradients,
-    recomputing,
-    supervised_rows,
-    supports_chunked_loss,
-    triton_available,
-    uncompile_layers,
-    unfuse_mlp,
-    unfuse_qkv,
-    unlean_layers,
-)
+from tunesmith.kernels import compiled, liger, recompute
+from tunesmith.kernels.base import LossFn, model_type
+from tunesmith.kernels.compiled import eager_layers, own_gradients, recomputing
+from tunesmith.kernels.liger_loss import liger_available
+from tunesmith.kernels.loss import supervised_rows
 from tunesmith.lora import attach_lora, save_adapter, trainable_parameters, unfreeze
 from tunesmith.models import load_model, load_tokenizer, without_hub_kernels
 from tunesmith.qlora import BASE_CODES, base_codes, quantized_scheme
 
 CALIBRATION_STEPS = 3  # steps timed before a time budget resizes the run
-
-# (model, batch) -> (loss summed over the batch's supervised tokens, their count); evaluate.loss_sum is the default
-LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+MAX_BAD_STEPS = 5  # non-finite steps in a row (each skipped) that stop the run
+DIST_TIMEOUT = 300.0  # seconds a process waits for the others (TUNESMITH_DIST_TIMEOUT overrides)
 
 
 @dataclass(frozen=True)
@@ -252,26 +240,48 @@ def train(
     <cfg.output>/model).
 
     `model`, `tokenizer` and `data` replace loading them (tests pass small ones). `loss(model, batch)` returns the
-    summed loss over the batch's supervised tokens and their count (default: evaluate.loss_sum). `callback` gets a
-    StepRecord after every optimizer step (its checkpoint, if one was due, already saved); an exception it raises
-    ends the run there."""
+    summed loss over the batch's supervised tokens and their count (default: the fused loss where a fast path
+    provides one, else evaluate.loss_sum). `callback` gets a StepRecord after every optimizer step (its checkpoint,
+    if one was due, already saved); an exception it raises ends the run there."""
     run = _setup(cfg, model, tokenizer, data, progress)
     with run.log:
         result = TrainResult(run.run_dir, run.run_dir / ("model" if cfg.fine_tune_type == "full" else "adapter"),
                              trainable_params=trainable_parameters(run.model),
                              losses=[r["loss"] for r in run.log.rows if r.get("kind") == "train"])
-        if loss is None:  # the fused loss where the model allows it; the plain one is the reference
-            loss = (partial(chunked_loss_sum, liger=run.liger_loss) if cfg.fused_loss
-                    and supports_chunked_loss(run.model) else loss_sum)
         try:
-            with recomputing(run.recompute):  # layers compile at their first call, inside the loop
-                train_loop(cfg, run, result, loss, callback, progress and run.accelerator.is_main_process)
+            with recomputing(run.applied.took(recompute.PATH) and run.applied.took(compiled.PATH)):
+                # (layers compile at their first call, inside the loop)
+                train_loop(cfg, run, result, loss or run.applied.loss or loss_sum, callback,
+                           progress and run.accelerator.is_main_process)
         except Exception as e:
             if run.accelerator.num_processes == 1 or not is_dist_failure(e):
                 raise
-            raise PeerLost(_peer_lost(e, run, cfg)) from None
+            raise PeerLost(_peer_lost(e, run)) from None
     result.main = run.accelerator.is_main_process
     return _finish(cfg, run, result)
+
+
+@dataclass
+class Place:
+    """Where a run trains: the device, precision and processes, decided before anything loads."""
+
+    run_dir: Path
+    accelerator: Any
+    device: torch.device
+    precision: str
+    fsdp: bool  # several processes under FSDP2
+    batch_size: int  # the micro-batch (the fit planner's, with --batch-size auto)
+    earlier: list[str]  # what the folder holds of an earlier run that --overwrite replaces
+    say: Callable[[str], None]  # a note on stderr, from the main process only
+    progress: bool  # progress output on this process
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
 
 
 @dataclass
@@ -292,20 +302,40 @@ class Run:
     planned_total: int  # the horizon the flags asked for
     per_epoch: int  # optimizer steps per pass over the data
     per_step: int  # examples per optimizer step, all processes together
-    batch_size: int  # the micro-batch
+    batch_size: int  # the micro-batch (out-of-memory recovery halves it)
     saver: Checkpointer
     state: TrainState  # step, tokens, elapsed... as the checkpoint left them, or zero
     ckpt: Checkpoint | None  # the checkpoint resumed from
     log: RunLog  # metrics.jsonl, open (and on resume already cut back to the checkpoint's step)
     say: Callable[[str], None]  # a note on stderr, from the main process only
-    graphed: bool = False  # the decoder layers replay as CUDA graphs
-    liger_loss: bool = False  # the fused loss through Liger's fused linear cross-entropy kernel
-    skip_on_device: bool = False  # the non-finite guard's skip taken by the fused AdamW kernel (no sync before it)
+    applied: kernels.Applied = field(default_factory=kernels.Applied)  # the fast paths taken, undone at the end
     packed: bool = False  # micro-batches of records of different lengths packed into fewer rows
-    recompute: bool = False  # compiled layers recompute cheap elementwise results (fused.recomputing)
+    graphed: bool = False  # the decoder layers replay as CUDA graphs
+    skip_on_device: bool = False  # the non-finite guard's skip taken by the fused AdamW kernel (no sync before it)
 
 
 def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
+    """Set-up in four steps: where the run trains; the model and data; the trainable parameters and the fast
+    paths; then a fresh start or the checkpoint's state."""
+    place = _place(cfg, model, data, progress)
+    model, tokenizer, data, fingerprint = _load(cfg, place, model, tokenizer, data)
+    model, labels = _attach(cfg, model)
+    setting = kernels.Setting(cfg, place.device.type, place.world, place.fsdp)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if liger.PATH.wanted(setting, model) and not liger_available():
+        place.say("liger-kernel is not installed: pip install 'tunesmith[cuda]' for its Triton kernels")
+    applied = kernels.apply_paths(model, setting)
+    graphed = applied.took(compiled.PATH) and setting.graphs
+    packed = packs_records(setting, model, data)
+    labels += applied.labels + (["packed records"] if packed else [])
+    labels += ["FSDP2"] if place.fsdp else ["DDP"] if place.world > 1 else []
+    return _start(cfg, place, model, tokenizer, data, fingerprint, applied, (packed, graphed), labels)
+
+
+def _place(cfg: TrainConfig, model, data: TokenData | None, progress: bool) -> Place:
+    """The device, precision, processes and micro-batch; refusals come here, before anything is written."""
     from datetime import timedelta
 
     from accelerate import Accelerator
@@ -324,7 +354,6 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     if fsdp and cfg.quantize_base != "none":
         raise TunesmithError("--quantize-base with --strategy fsdp: a quantized base is not sharded; use "
                              "--strategy ddp (each GPU holds the small quantized base), or drop --quantize-base")
-    fast_paths(cfg, device.type, 1, fsdp)  # --cuda-graphs on where it cannot be: refused before anything is written
     precision = resolve_precision(device, cfg.precision, training=True)
     run_dir = Path(cfg.output)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -332,139 +361,159 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     # error (and under --gpus the launcher stops them at once).
     accelerator = Accelerator(
         cpu=device.type == "cpu", mixed_precision="no" if precision == "fp32" else precision,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout()))],
         **({"fsdp_plugin": fsdp_plugin()} if fsdp else {}),
     )
     main, world = accelerator.is_main_process, accelerator.num_processes
     batch_size = _plan_memory(cfg, device, precision, model, run_dir, progress and main, main, world)
     say = (lambda text: _note(progress, text)) if main else (lambda text: None)
     set_seed(cfg.seed)
+    return Place(run_dir, accelerator, device, precision, fsdp, batch_size, earlier, say, progress and main)
 
+
+def _load(cfg: TrainConfig, place: Place, model, tokenizer, data: TokenData | None) -> tuple:
+    """The tokenizer and data (first: bad data fails in seconds, not after a long load), then the model: loaded,
+    or the one handed in; with --quantize-base its base quantized, with --base-calibration calibrated."""
     if model is None and tokenizer is None:
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    if data is None:  # before the weights: bad data fails in seconds, not after a long load
+    if data is None:
         data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
-        if progress and main:
+        if place.progress:
             print(describe_data(data))  # records truncated or dropped, and why
     fingerprint = data_fingerprint(data.train)
     # Every process must train the same thing: one error now, not gradients of different runs averaged.
-    check_agreement(accelerator, config=config_fingerprint(cfg), data=fingerprint)
+    check_agreement(place.accelerator, config=config_fingerprint(cfg), data=fingerprint)
     # Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast): updates smaller than a bf16
     # weight's rounding step would otherwise be lost. A frozen base may sit in the compute dtype, or quantized.
-    dtype = torch.float32 if cfg.fine_tune_type == "full" else weight_dtype(device, precision)
+    dtype = torch.float32 if cfg.fine_tune_type == "full" else weight_dtype(place.device, place.precision)
     # --base-calibration: the base loads at full precision once, and GPTQ chooses its codes on the training data;
-    # a resumed run loads it rounded to nearest and takes the codes its checkpoint saved (below); an injected model
-    # that is already quantized is taken as it is
+    # a resumed run loads it rounded to nearest and takes the codes its checkpoint saved (_start); an injected
+    # model that is already quantized is taken as it is
     calibrate = cfg.base_calibration > 0 and not cfg.resume and not (model is not None and quantized_scheme(model))
-    if calibrate and several:
+    if calibrate and place.world > 1:
         raise TunesmithError("--base-calibration runs in a one-process run (each process would calibrate on its "
                              "own): calibrate with one process and --max-steps 1, then --resume it with --gpus")
-    if model is not None:  # one handed in may be kernelized (models.NO_HUB_KERNELS): back to its own forwards
-        without_hub_kernels(model)
     if model is None:  # under FSDP2 into CPU memory: sharding moves each process's part onto its GPU
-        model, tokenizer = load_model(cfg.model, torch.device("cpu") if fsdp else accelerator.device, dtype,
-                                      cfg.trust_remote_code, allow_pickle=cfg.allow_pickle,
+        model, tokenizer = load_model(cfg.model, torch.device("cpu") if place.fsdp else place.accelerator.device,
+                                      dtype, cfg.trust_remote_code, allow_pickle=cfg.allow_pickle,
                                       quantize_base="none" if calibrate else cfg.quantize_base)
-    elif cfg.quantize_base != "none" and not calibrate:
-        from tunesmith.qlora import quantize_base
-
-        quantize_base(model, cfg.quantize_base)
-    elif cfg.fine_tune_type == "full" and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
-        model.to(dtype)  # an injected half-precision model gets its fp32 master weights
+    else:
+        _prepare_given(cfg, model, dtype, calibrate)
     if calibrate:
         from tunesmith.qlora import calibrate_base
 
         blocks = [list(ids) for ids, _ in data.train[: cfg.base_calibration]]
-        calibrate_base(model, cfg.quantize_base, blocks, progress and main)
-    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+        calibrate_base(model, cfg.quantize_base, blocks, place.progress)
+    return model, tokenizer, data, fingerprint
 
-    compiled, graphs, liger = fast_paths(cfg, device.type, world, fsdp)
-    liger_loss = uses_liger_loss(cfg, device.type, fsdp, model)
-    kernels = _kernels(cfg, device, model, say, liger, liger_loss)
-    kernels += [f"{cfg.quantize_base} base"] if cfg.quantize_base != "none" else []
+
+def _prepare_given(cfg: TrainConfig, model, dtype: torch.dtype, calibrate: bool) -> None:
+    """A model handed in: its own forwards back (it may be kernelized: models.NO_HUB_KERNELS), its base quantized
+    as --quantize-base says, or, for full fine-tuning, fp32 master weights."""
+    without_hub_kernels(model)
+    if cfg.quantize_base != "none" and not calibrate:
+        from tunesmith.qlora import quantize_base
+
+        quantize_base(model, cfg.quantize_base)
+    elif cfg.fine_tune_type == "full" and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+        model.to(dtype)
+
+
+def _attach(cfg: TrainConfig, model) -> tuple[torch.nn.Module, list[str]]:
+    """The trainable parameters: LoRA's or DoRA's (PEFT), or the model's own (full fine-tuning); and what the start
+    line says of them."""
+    from accelerate.utils import set_seed
+
+    labels = [f"{cfg.quantize_base} base"] if cfg.quantize_base != "none" else []
     set_seed(cfg.seed)  # LoRA init draws from the RNG: same seed, same adapter
     if cfg.fine_tune_type == "full":
         unfreeze(model, cfg.num_layers)
-        kernels.append("full fine-tuning" + (f" of the last {cfg.num_layers} layers" if cfg.num_layers > 0 else ""))
-    else:
-        model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
-                            dora=cfg.fine_tune_type == "dora", num_layers=cfg.num_layers)
-        kernels += ["DoRA"] if cfg.fine_tune_type == "dora" else []
-        if cfg.fused_qkv and cfg.fine_tune_type == "lora" and not fsdp and fuse_qkv(model):
-            kernels.append("fused q/k/v")
-        if uses_fused_mlp(cfg, device.type) and cfg.fine_tune_type == "lora" and not fsdp and fuse_mlp(model):
-            kernels.append("LoRA-aware MLP")
-        fuse = cfg.fused_lora == "on" or (cfg.fused_lora == "auto" and not compiled)
-        if fuse and cfg.fine_tune_type == "lora" and not fsdp and fuse_lora(model):
-            kernels.append("fused LoRA")
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    packed = packs_records(cfg, model, compiled, data)
-    kernels += ["packed records"] if packed else []
-    if compiled:
-        compile_layers(model, cuda_graphs=graphs)
-        kernels.append("compiled layers" + (" as CUDA graphs" if graphs else ""))
-        kernels += ["cheap activations recomputed"] if cfg.recompute else []
-    elif cfg.recompute and not fsdp and lean_layers(model):
-        kernels.append("cheap activations recomputed")
-    kernels += ["FSDP2"] if fsdp else ["DDP"] if world > 1 else []
-    saver = Checkpointer(run_dir, cfg, device.type, precision, fingerprint, say)
-    # Resume restores what the next step depends on: the LoRA weights, AdamW's moments, the schedule (whose horizon
-    # a time budget may have cut), the grad scaler, and the step -- which is also the data position, since a step's
-    # examples are a pure function of (seed, step). The RNGs are restored by the loop, right before its first step,
-    # so dropout draws continue as if the run had never stopped. The run log is cut back to the checkpoint's step.
-    ckpt = saver.find(cfg.resume) if cfg.resume else None
-    if ckpt:
-        saver.check_config(ckpt, cfg.on_config_mismatch)
-        if cfg.base_calibration or (ckpt.path / BASE_CODES).is_file():
-            from tunesmith.qlora import apply_base_codes
+        labels.append("full fine-tuning" + (f" of the last {cfg.num_layers} layers" if cfg.num_layers > 0 else ""))
+        return model, labels
+    model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
+                        dora=cfg.fine_tune_type == "dora", num_layers=cfg.num_layers)
+    return model, labels + (["DoRA"] if cfg.fine_tune_type == "dora" else [])
 
-            if not (ckpt.path / BASE_CODES).is_file():
-                raise TunesmithError(f"--resume {ckpt.path}: --base-calibration is set, but the checkpoint holds no "
-                                     f"calibrated codes ({BASE_CODES}); resume with the checkpoint's settings")
-            apply_base_codes(model, ckpt.path / BASE_CODES)
-    per_step = _examples_per_step(cfg, ckpt, batch_size, world, say)
-    if ckpt and fsdp:  # sharding then splits the restored weights; the optimizer's moments follow after prepare
+
+def _start(cfg: TrainConfig, place: Place, model, tokenizer, data: TokenData, fingerprint: str,
+           applied: kernels.Applied, packed_graphed: tuple[bool, bool], labels: list[str]) -> Run:
+    """Optimizer, schedule and accelerate's wrapping; then the checkpoint's state restored, or a fresh start; the
+    run log opened and the start line said."""
+    acc, world = place.accelerator, place.world
+    saver = Checkpointer(place.run_dir, cfg, place.device.type, place.precision, fingerprint, place.say)
+    ckpt = _checkpoint_to_resume(cfg, saver, model)
+    per_step = _examples_per_step(cfg, ckpt, place.batch_size, world, place.say)
+    if ckpt and place.fsdp:  # sharding then splits the restored weights; the optimizer's moments follow below
         restore_weights(ckpt, model)
     params = [p for p in model.parameters() if p.requires_grad]
     trainable, every = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
-    optimizer, what = make_optimizer(cfg, params, device)
-    kernels += [what] if what else []
+    optimizer, what = make_optimizer(cfg, params, place.device)
     per_epoch, total = plan_steps(cfg, len(data.train), per_step)
     schedule = Schedule(total, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     # The scheduler stays outside accelerate: its wrapper would step it once per process, and the cosine decay
     # would run world times too fast.
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = acc.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaced them with sharded ones
-    if main:
-        save_config(cfg, run_dir / "config.yaml")
+    if place.main:
+        save_config(cfg, place.run_dir / "config.yaml")
+    state = _restored_state(cfg, place, ckpt, model, optimizer, scheduler, schedule, total)
+    _replace_earlier(place)
+    log = RunLog(place.run_dir / "metrics.jsonl", ckpt, enabled=place.main)
     if ckpt:
-        unwrapped = accelerator.unwrap_model(model)
-        state = restore(ckpt, unwrapped, optimizer, scheduler, accelerator.scaler, schedule, total, cfg.lr,
-                        cfg.weight_decay, (lambda sd: load_full_optimizer_state(unwrapped, optimizer, sd)) if fsdp
-                        else None)
-    else:
-        state = TrainState(schedule_total=total, planned_total=total)
-    if earlier and main:  # --overwrite, once set-up has worked: nothing of the earlier run may pass for this one's
-        say(f"--overwrite: replacing the run in {run_dir} ({', '.join(earlier)})")
-        for name in ("adapter", "checkpoints", "metrics.jsonl", "report.html"):
-            _delete(run_dir / name)
-    accelerator.wait_for_everyone()  # no process writes into the folder before the replaced run is gone
-    log = RunLog(run_dir / "metrics.jsonl", ckpt, enabled=main)
-    if ckpt:
-        say(f"resuming from {ckpt.path} (step {state.step} of {schedule.total})")
+        place.say(f"resuming from {ckpt.path} (step {state.step} of {schedule.total})")
     # Set-up is done: say what trains, where, at what precision (the one line a user checks first)
-    on = f"{accelerator.device.type} x {world} processes" if world > 1 else f"{accelerator.device}"
-    say(f"training on {on} in {precision}: {trainable:,} trainable parameters, {trainable / every:.2%} of {every:,}"
-        + (f"; {', '.join(kernels)}" if kernels else ""))
-    if state.batch_size:  # out-of-memory recovery had halved the micro-batch
-        batch_size = min(batch_size, state.batch_size)
+    on = f"{acc.device.type} x {world} processes" if world > 1 else f"{acc.device}"
+    labels += [what] if what else []
+    place.say(f"training on {on} in {place.precision}: {trainable:,} trainable parameters, {trainable / every:.2%} "
+              f"of {every:,}" + (f"; {', '.join(labels)}" if labels else ""))
+    batch_size = min(place.batch_size, state.batch_size or place.batch_size)  # out-of-memory recovery halved it
     batch_size = min(batch_size, per_step // world)
-    return Run(run_dir, accelerator, device, model, optimizer, scheduler, schedule, params, data, tokenizer, pad_id,
-               total, per_epoch, per_step, batch_size, saver, state, ckpt, log, say, graphs, liger_loss,
-               skips_on_device(optimizer, accelerator), packed, compiled and cfg.recompute)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    return Run(place.run_dir, acc, place.device, model, optimizer, scheduler, schedule, params, data, tokenizer,
+               pad_id, total, per_epoch, per_step, batch_size, saver, state, ckpt, log, place.say, applied,
+               *packed_graphed, skips_on_device(optimizer, acc))
+
+
+def _checkpoint_to_resume(cfg: TrainConfig, saver: Checkpointer, model) -> Checkpoint | None:
+    """With --resume, the checkpoint to continue (its settings compared with these), its calibrated base codes
+    applied to the model; else None."""
+    if not cfg.resume:
+        return None
+    ckpt = saver.find(cfg.resume)
+    saver.check_config(ckpt)
+    if cfg.base_calibration or (ckpt.path / BASE_CODES).is_file():
+        from tunesmith.qlora import apply_base_codes
+
+        if not (ckpt.path / BASE_CODES).is_file():
+            raise TunesmithError(f"--resume {ckpt.path}: --base-calibration is set, but the checkpoint holds no "
+                                 f"calibrated codes ({BASE_CODES}); resume with the checkpoint's settings")
+        apply_base_codes(model, ckpt.path / BASE_CODES)
+    return ckpt
+
+
+def _restored_state(cfg: TrainConfig, place: Place, ckpt: Checkpoint | None, model, optimizer, scheduler,
+                    schedule: Schedule, total: int) -> TrainState:
+    """Resume restores what the next step depends on: the trainable weights, AdamW's moments, the schedule (whose
+    horizon a time budget may have cut), the grad scaler, and the step -- which is also the data position, since
+    a step's examples are a pure function of (seed, step). The RNGs are restored by the loop, right before its
+    first step, so dropout draws continue as if the run had never stopped."""
+    if not ckpt:
+        return TrainState(schedule_total=total, planned_total=total)
+    acc = place.accelerator
+    unwrapped = acc.unwrap_model(model)
+    load_moments = (lambda sd: load_full_optimizer_state(unwrapped, optimizer, sd)) if place.fsdp else None
+    return restore(ckpt, unwrapped, optimizer, scheduler, acc.scaler, schedule, total, cfg.lr, cfg.weight_decay,
+                   load_moments)
+
+
+def _replace_earlier(place: Place) -> None:
+    """--overwrite, once set-up has worked: nothing of the earlier run may pass for this one's."""
+    if place.earlier and place.main:
+        place.say(f"--overwrite: replacing the run in {place.run_dir} ({', '.join(place.earlier)})")
+        for name in ("adapter", "checkpoints", "metrics.jsonl", "report.html"):
+            _delete(place.run_dir / name)
+    place.accelerator.wait_for_everyone()  # no process writes into the folder before the replaced run is gone
 
 
 def _examples_per_step(cfg: TrainConfig, ckpt: Checkpoint | None, batch_size: int, world: int, say) -> int:
@@ -492,145 +541,180 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                callback: Callback | None = None, progress: bool = True) -> None:
     """The loop: optimizer steps from where set-up left the run (step 0, or the checkpoint's) to the end of the
     schedule. Fills `result` and writes the run log; a stop signal ends it with a checkpoint and Interrupted."""
-    acc, model, optimizer, scheduler, schedule = run.accelerator, run.model, run.optimizer, run.scheduler, run.schedule
-    data, log, state, batch_size = run.data, run.log, run.state, run.batch_size
-    world, rank, main = acc.num_processes, acc.process_index, acc.is_main_process
+    acc, schedule, state = run.accelerator, run.schedule, run.state
+    rank, world = acc.process_index, acc.num_processes
     bar = _progress(progress)
     task = bar.add_task("train", total=schedule.total, completed=state.step, loss=float("nan"), tps=0.0)
-    model.train()
+    run.model.train()
     started = time.perf_counter() - state.elapsed  # elapsed counts the earlier processes of a resumed run
     step, result.tokens, bad_streak = state.step, state.tokens, state.bad_streak
     if run.ckpt:  # last thing before the first step: nothing in set-up may draw from them after this
         restore_rng(rng_of(run.ckpt, rank, world), run.device.type)
-    unwrapped = acc.unwrap_model(model)
     ahead = None  # the next step's examples, and its micro-batches already on their way to the device
-    early = None  # the next step, its forward and backward passes launched before this step's loss was read
     with bar, StopSignals() as stop:
         while step < schedule.total:
-            launched = early is not None
-            if launched:
-                (mine, n_tokens, step_loss, t0), early = early, None
-            else:
-                t0 = time.perf_counter()
-                if ahead is not None and ahead.step == step:
-                    mine, n_tokens = ahead.examples, ahead.n_tokens
-                    ready = ahead.batches if ahead.batch_size == batch_size else None
-                else:
-                    (mine, n_tokens), ready = _examples_of(run, cfg.seed, step, rank, world), None
-                ahead = None
-            while not launched:  # out of memory: halve the micro-batch, double the accumulation, redo the step
-                try:
-                    step_loss = _accumulate(model, acc, mine, batch_size, n_tokens, run.pad_id, loss, run.graphed,
-                                            ready, run.packed)
-                    break
-                except Exception as e:
-                    if not is_oom(e):
-                        raise
-                    if batch_size == 1 or world > 1:
-                        raise TunesmithError(_oom_advice(e, step, batch_size, world, cfg.seq_len)) from None
-                ready = None
-                optimizer.zero_grad(set_to_none=True)  # outside the handler: the traceback's activations are gone
-                batch_size = _halve_batch(acc.device, step, batch_size, len(mine), bar, progress, log)
-            # The norm is measured even without clipping (max_norm inf scales by exactly 1): the guard needs it.
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            norm = acc.clip_grad_norm_(run.params, max_norm)
-            lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao's optimizers
-            # Non-finite guard: one NaN/inf update would poison the weights and AdamW's moments for good, so the
-            # step is skipped (weights, optimizer and schedule untouched) and the data moves on. Under fp16 an inf
-            # gradient with a finite loss is the grad scaler's to handle: it skips the update and lowers the scale.
-            # Loss and norm are the same on every process (summed; synchronized gradients), and so is the verdict.
-            if run.skip_on_device:
-                # The verdict is taken on the device, by the fused AdamW kernel itself (it leaves weights, moments
-                # and step counts as they were when told so), so Python launches the update while the GPU is still
-                # in the backward pass, and the step's one wait is for the loss and norm read below.
-                stats = _step_on_device(optimizer, step_loss, norm)
-                if step + 1 < schedule.total:  # collated and copied while the GPU finishes this step
-                    examples, count = _examples_of(run, cfg.seed, step + 1, rank, world)
-                    ahead = _Ahead(step + 1, examples, count, batch_size,
-                                   _device_batches(examples, batch_size, run.pad_id, acc.device, run.packed))
-                read = stats.tolist
-                if ahead is not None and overlaps(cfg, step + 1, schedule.total, bool(data.valid)) \
-                        and stop.signum is None:
-                    read = _read_later(stats)  # queued before the next step's kernels, so it need not wait for them
-                    early = _launch_early(model, acc, ahead, run, loss, optimizer)
-                    ahead = None
-                step_loss, grad_norm = read()  # the step's one wait for the device
-                bad = not (math.isfinite(step_loss) and math.isfinite(grad_norm))
-                if not bad:
-                    scheduler.step()
-            else:
-                step_loss = all_sum(acc, [float(step_loss)])[0]  # the processes' shares of the step's loss
-                grad_norm = _as_float(norm)
-                bad = not math.isfinite(step_loss) or (not math.isfinite(grad_norm) and acc.scaler is None)
-                if not bad:
-                    optimizer.step()
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            mine, n_tokens, ready = _step_examples(run, cfg.seed, step, ahead)
+            step_loss = _forward_backward(cfg, run, step, mine, n_tokens, loss, ready, bar, progress)
+            lr = float(run.scheduler.get_last_lr()[0])  # the rate this step uses (a tensor under torchao's optimizers)
+            following = partial(_Ahead.make, run, cfg.seed, step + 1) if step + 1 < schedule.total else None
+            step_loss, grad_norm, bad, ahead = _optimizer_step(cfg, run, step_loss, following)
             bad_streak = bad_streak + 1 if bad else 0
-            if early is None:  # (with the next step launched, the read above was the step's end on the device)
-                synchronize(acc.device)  # an accelerator runs ahead of Python: time the step, not its launch
+            synchronize(acc.device)  # an accelerator runs ahead of Python: time the step, not its launch
             step += 1
             now = time.perf_counter()
-            elapsed, dt = now - started, now - t0
-            if early is not None:
-                early = (*early, now)  # the next step's time runs from here
-            if bad_streak:  # logged as a skip, not as a training step; max_bad_steps in a row end the run
-                _skipped(step, step_loss, grad_norm, bad_streak, cfg, log, run.say, run.saver)
+            elapsed, tps = now - started, n_tokens / (now - t0)
+            if bad_streak:  # logged as a skip, not as a training step; MAX_BAD_STEPS in a row end the run
+                _skipped(step, step_loss, grad_norm, bad_streak, cfg, run)
             else:
                 result.losses.append(step_loss)
                 result.tokens += n_tokens
-            tps = n_tokens / dt
-            if _calibrates(cfg, step) and schedule.total > step:
-                # Steps 2..3 are warm: fit the run into the budget (never below --min-steps) and let the cosine
-                # decay end at the new horizon.
-                # (the main process's pace decides, or the processes would plan different lengths)
-                schedule.total = from_main(acc, budget_horizon(cfg.time_budget, elapsed, step, schedule.total,
-                                                               cfg.min_steps))
-                bar.update(task, total=schedule.total)
-            if not bad_streak and (step % cfg.log_every == 0 or step == schedule.total):
-                log.write("train", step=step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens=result.tokens,
-                          tokens_per_s=tps, elapsed_s=elapsed, peak_mem_bytes=peak_memory_bytes(acc.device))
+                run.log.write("train", step=step, loss=step_loss, lr=lr, grad_norm=grad_norm,
+                              tokens=result.tokens, tokens_per_s=tps, elapsed_s=elapsed,
+                              peak_mem_bytes=peak_memory_bytes(acc.device))
+            _fit_budget(cfg, run, step, elapsed, bar, task)
             bar.update(task, advance=1, loss=step_loss, tps=tps)
             last = step == schedule.total
-            if data.valid and (_evaluates(cfg, step) or last):
-                # graphed layers are recorded for training; evaluation (no gradients) runs them eagerly
-                with eager_layers(unwrapped) if run.graphed else nullcontext():
-                    ev = evaluate(unwrapped, data.valid, batch_size, cfg.eval_batches, run.pad_id, (rank, world),
-                                  lambda v: all_sum(acc, v))
-                result.evals.append((step, ev))
-                log.write("eval", step=step, val_loss=ev.loss, val_ppl=ev.perplexity, val_tokens=ev.tokens)
-                model.train()
-            # A checkpoint every N steps, at the end, and when a stop signal came in during this step: the step is
-            # complete (all its micro-batches), so weights, optimizer state and data position agree. Every DDP
-            # process must agree to stop, or the others would wait for it forever.
-            # (with the next step launched, its dropout has drawn from the random state a checkpoint would save: a
-            # signal is taken at the end of that step instead)
-            stopping = _any_process(acc, stop.signum is not None and early is None)
-            if last or stopping or _checkpoints(cfg, step):
-                state = TrainState(step=step, schedule_total=schedule.total, planned_total=run.planned_total,
-                                   tokens=result.tokens, elapsed=time.perf_counter() - started, bad_streak=bad_streak,
-                                   run_id=state.run_id, batch_size=batch_size, per_step=run.per_step, world=world)
-                # Every process's RNG, and under FSDP2 the whole weights and moments: collectives, then the main
-                # process writes.
-                rngs = gather(acc, capture_rng(run.device.type))
-                weights, moments = full_trainable_state(unwrapped), full_optimizer_state(unwrapped, optimizer)
-                if main:
-                    saved = run.saver.save(state, unwrapped, optimizer, scheduler, acc.scaler, rng_ranks=rngs,
-                                           trainable=weights, optimizer_state=moments)
-                acc.wait_for_everyone()
+            _evaluate(cfg, run, result, step, last)
+            # Every process must agree to stop, or the others would wait for it forever.
+            stopping = _any_process(acc, stop.signum is not None)
+            state = TrainState(step=step, schedule_total=schedule.total, planned_total=run.planned_total,
+                               tokens=result.tokens, elapsed=time.perf_counter() - started, bad_streak=bad_streak,
+                               run_id=state.run_id, batch_size=run.batch_size, per_step=run.per_step, world=world)
+            saved = _checkpoint(cfg, run, state, last or stopping)
             if callback:
                 callback(StepRecord(step, step_loss, lr, grad_norm, result.tokens, tps, elapsed, bool(bad_streak)))
             if stopping and not last:
-                raise Interrupted(f"{stop.name or 'signal'} after step {step}: checkpoint "
-                                  f"{saved if main else run.saver.root} saved; run the same command with --resume "
-                                  "to continue", stop.signum or signal.SIGTERM)
+                raise Interrupted(f"{stop.name or 'signal'} after step {step}: checkpoint {saved or run.saver.root} "
+                                  "saved; run the same command with --resume to continue", stop.signum or signal.SIGTERM)
     result.steps = step
-    result.batch_size, result.grad_accum = batch_size, -(-run.per_step // world // batch_size)
+    result.batch_size, result.grad_accum = run.batch_size, -(-run.per_step // world // run.batch_size)
     result.seconds = time.perf_counter() - started
 
 
+def _step_examples(run: Run, seed: int, step: int, ahead: _Ahead | None) -> tuple[list, int, list | None]:
+    """This process's examples of `step`, the step's supervised tokens (all processes) and its micro-batches where
+    they were made ahead (at the current micro-batch size)."""
+    if ahead is not None and ahead.step == step:
+        return ahead.examples, ahead.n_tokens, ahead.batches if ahead.batch_size == run.batch_size else None
+    acc = run.accelerator
+    mine, n_tokens = _examples_of(run, seed, step, acc.process_index, acc.num_processes)
+    return mine, n_tokens, None
+
+
+def _forward_backward(cfg: TrainConfig, run: Run, step: int, mine: list, n_tokens: int, loss: LossFn,
+                      ready: list | None, bar, progress: bool) -> torch.Tensor:
+    """The step's forward and backward passes; out of memory: halve the micro-batch, double the accumulation, and
+    redo the step (one process only: several would have to agree on it)."""
+    acc = run.accelerator
+    while True:
+        try:
+            return _accumulate(run.model, acc, mine, run.batch_size, n_tokens, run.pad_id, loss, run.graphed, ready,
+                               run.packed)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            if run.batch_size == 1 or acc.num_processes > 1:
+                raise TunesmithError(_oom_advice(e, step, run.batch_size, acc.num_processes, cfg.seq_len)) from None
+        ready = None
+        run.optimizer.zero_grad(set_to_none=True)  # outside the handler: the traceback's activations are gone
+        run.batch_size = _halve_batch(acc.device, step, run.batch_size, len(mine), bar, progress, run.log)
+
+
+def _optimizer_step(cfg: TrainConfig, run: Run, step_loss: torch.Tensor, following: Callable | None
+                    ) -> tuple[float, float, bool, _Ahead | None]:
+    """Clip, then update unless the step is not finite; returns the step's loss, gradient norm, whether it was
+    skipped, and the next step made ahead (or None).
+
+    Non-finite guard: one NaN/inf update would poison the weights and AdamW's moments for good, so the step is
+    skipped (weights, optimizer and schedule untouched) and the data moves on. Under fp16 an inf gradient with a
+    finite loss is the grad scaler's to handle: it skips the update and lowers the scale. Loss and norm are the same
+    on every process (summed; synchronized gradients), and so is the verdict. Where the fused AdamW kernel can take
+    the verdict itself (`skips_on_device`), Python launches the update while the device is still in the backward
+    pass, makes the next step's micro-batches (`following()`), and the step's one wait is for the loss and norm."""
+    acc = run.accelerator
+    # The norm is measured even without clipping (max_norm inf scales by exactly 1): the guard needs it.
+    norm = acc.clip_grad_norm_(run.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
+    ahead = None
+    if run.skip_on_device:
+        stats = _step_on_device(run.optimizer, step_loss, norm)
+        ahead = following() if following is not None else None
+        loss, grad_norm = stats.tolist()
+        bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    else:
+        loss = all_sum(acc, [float(step_loss)])[0]  # the processes' shares of the step's loss
+        grad_norm = _as_float(norm)
+        bad = not math.isfinite(loss) or (not math.isfinite(grad_norm) and acc.scaler is None)
+        if not bad:
+            run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+    if not bad:
+        run.scheduler.step()
+    return loss, grad_norm, bad, ahead
+
+
+def _step_on_device(optimizer, step_loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """The optimizer step, skipped by the fused kernel when the loss or the gradient norm is not finite. Returns
+    [loss, norm] on the device, for the caller's one host sync of the step."""
+    stats = torch.stack([step_loss.double(), norm.double()])
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner.found_inf = (~torch.isfinite(stats)).any().float()  # what GradScaler hands the fused kernels
+    try:
+        optimizer.step()
+    finally:
+        del inner.found_inf
+    optimizer.zero_grad(set_to_none=True)
+    return stats
+
+
+def _fit_budget(cfg: TrainConfig, run: Run, step: int, elapsed: float, bar, task) -> None:
+    """After step CALIBRATION_STEPS (warm): fit the run into --time-budget (never below the demo's --min-steps) and
+    let the cosine decay end at the new horizon. The main process's pace decides, or the processes would plan
+    different lengths."""
+    if not (cfg.time_budget and step == CALIBRATION_STEPS and run.schedule.total > step):
+        return
+    fits = budget_horizon(cfg.time_budget, elapsed, step, run.schedule.total, getattr(cfg, "min_steps", 0))
+    run.schedule.total = from_main(run.accelerator, fits)
+    bar.update(task, total=run.schedule.total)
+
+
+def _evaluate(cfg: TrainConfig, run: Run, result: TrainResult, step: int, last: bool) -> None:
+    """Every --eval-every steps and at the end, where there is validation data: loss and perplexity, logged."""
+    if not run.data.valid or not (last or (cfg.eval_every and step % cfg.eval_every == 0)):
+        return
+    acc = run.accelerator
+    unwrapped = acc.unwrap_model(run.model)
+    # graphed layers are recorded for training; evaluation (no gradients) runs them eagerly
+    with eager_layers(unwrapped) if run.graphed else nullcontext():
+        ev = evaluate(unwrapped, run.data.valid, run.batch_size, cfg.eval_batches, run.pad_id,
+                      (acc.process_index, acc.num_processes), lambda v: all_sum(acc, v))
+    result.evals.append((step, ev))
+    run.log.write("eval", step=step, val_loss=ev.loss, val_ppl=ev.perplexity, val_tokens=ev.tokens)
+    run.model.train()
+
+
+def _checkpoint(cfg: TrainConfig, run: Run, state: TrainState, due: bool) -> Path | None:
+    """A checkpoint every --checkpoint-every steps, at the end, and when a stop signal came in during the step
+    (`due`): the step is complete (all its micro-batches), so weights, optimizer state and data position agree.
+    Every process's RNG, and under FSDP2 the whole weights and moments: collectives, then the main process
+    writes. Returns the folder written (None on the other processes, or when none was due)."""
+    if not (due or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0)):
+        return None
+    acc = run.accelerator
+    unwrapped = acc.unwrap_model(run.model)
+    rngs = gather(acc, capture_rng(run.device.type))
+    weights, moments = full_trainable_state(unwrapped), full_optimizer_state(unwrapped, run.optimizer)
+    saved = None
+    if acc.is_main_process:
+        saved = run.saver.save(state, unwrapped, run.optimizer, run.scheduler, acc.scaler, rng_ranks=rngs,
+                               trainable=weights, optimizer_state=moments)
+    acc.wait_for_everyone()
+    return saved
+
+
 def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
-    """Save the adapter (from the main process, once every process is done) and hand back the trained model."""
+    """Save the adapter (from the main process, once every process is done), undo the fast paths and hand back
+    the trained model."""
     acc = run.accelerator
     result.peak_memory_bytes = peak_memory_bytes(acc.device)
     acc.wait_for_everyone()
@@ -647,7 +731,7 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
             save_adapter(model, result.adapter_dir, cfg.model, cfg.quantize_base, state_dict=weights,
                          base_codes=base_codes(model) if cfg.base_calibration else None)
     acc.wait_for_everyone()
-    result.model = unlean_layers(unfuse_mlp(unfuse_qkv(uncompile_layers(model))))
+    result.model = run.applied.undo(model)
     return result
 
 
@@ -655,7 +739,8 @@ def _finish(cfg: TrainConfig, run: Run, result: TrainResult) -> TrainResult:
 
 
 def make_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW (torch's fused kernel on CUDA), or torchao's AdamW8bit; and what the start line says of it."""
+    """AdamW (torch's fused kernel on CUDA with the fast paths on), or torchao's AdamW8bit; and what the start line
+    says of it."""
     if cfg.optimizer == "adamw8bit":
         try:
             from torchao.optim import AdamW8bit
@@ -664,7 +749,7 @@ def make_optimizer(cfg: TrainConfig, params: list, device: torch.device) -> tupl
 
             raise missing_extra("torchao", "qlora", "--optimizer adamw8bit") from None
         return AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay), "8-bit AdamW"
-    fused = cfg.fused_adamw and device.type == "cuda"  # one kernel for every trainable tensor's update
+    fused = cfg.fast_paths == "auto" and device.type == "cuda"  # one kernel for every trainable tensor's update
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
     return optimizer, "fused AdamW" if fused else ""
 
@@ -682,64 +767,46 @@ def save_model(model, tokenizer, folder: Path, base_spec: str, state_dict: dict 
     return folder
 
 
-def fast_paths(cfg: TrainConfig, device_type: str, world: int, fsdp: bool) -> tuple[bool, bool, bool]:
-    """Whether this run compiles its decoder layers, replays them as CUDA graphs, and applies Liger's kernels.
-
-    --compile auto compiles on CUDA, except under FSDP2 (its hooks around each layer would go inside the compiled
-    region). --cuda-graphs auto graphs the compiled layers on one CUDA GPU without gradient checkpointing (whose
-    recomputation would run a graphed layer inside the backward pass), for LoRA on a plain base: what was measured
-    on an H200 (DoRA, full fine-tuning and a quantized base take --cuda-graphs on). Graphs and Liger exclude each other: Liger's RoPE
-    writes into its inputs, and torch runs a layer whose graph mutates an input without its graph."""
-    compiled = cfg.compile == "on" or (cfg.compile == "auto" and device_type == "cuda" and not fsdp)
-    if cfg.cuda_graphs == "on" and not (compiled and device_type == "cuda"):
-        why = f"this run is on {device_type}" if device_type != "cuda" else "its layers are not compiled"
-        raise TunesmithError(f"--cuda-graphs on replays compiled layers on a CUDA GPU, but {why}; use --cuda-graphs "
-                             "off (or auto)" + ("" if device_type != "cuda" else ", or --compile on"))
-    graphs = compiled and device_type == "cuda" and (
-        cfg.cuda_graphs == "on"
-        or (cfg.cuda_graphs == "auto" and world == 1 and not cfg.gradient_checkpointing
-            and cfg.quantize_base == "none" and cfg.fine_tune_type == "lora"))
-    return compiled, graphs, cfg.liger and device_type == "cuda" and not graphs
+def dist_timeout() -> float:
+    """Seconds a process waits for the others at a synchronisation point before it stops with an error (a process
+    that died does not leave the rest hanging): $TUNESMITH_DIST_TIMEOUT, else DIST_TIMEOUT."""
+    raw = os.environ.get("TUNESMITH_DIST_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else DIST_TIMEOUT
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise TunesmithError(f"TUNESMITH_DIST_TIMEOUT must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
-def uses_liger_loss(cfg: TrainConfig, device_type: str, fsdp: bool, model) -> bool:
-    """Whether the fused loss runs through Liger's fused linear cross-entropy (Triton: the logits of a chunk stay in
-    the compute dtype and one kernel turns them into the loss and their gradient in place) instead of the plain
-    PyTorch chunks: on CUDA with --liger and liger-kernel installed, not under FSDP2 (not measured there). It sits
-    outside the decoder layers, so CUDA graphs do not exclude it."""
-    return (cfg.fused_loss and cfg.liger and device_type == "cuda" and not fsdp and supports_chunked_loss(model)
-            and liger_available())
+PACKED_MODEL_TYPES = ("llama",)  # packed position_ids verified to keep each example to itself (tests)
 
 
-def uses_fused_mlp(cfg: TrainConfig, device_type: str) -> bool:
-    """The LoRA-aware MLP (fused.fuse_mlp): its Triton kernels on CUDA under auto; elsewhere only when asked for,
-    through their plain-PyTorch reference (fp32 inside: for checking, slower than PEFT's layers)."""
-    return cfg.fused_mlp == "on" or (cfg.fused_mlp == "auto" and device_type == "cuda" and triton_available())
+def packs_records(setting: kernels.Setting, model, data: TokenData | None) -> bool:
+    """Whether micro-batches are packed (data.collate_packed): training data of different lengths (.jsonl records;
+    text blocks are all --seq-len long and gain nothing), a Llama-family model, eager layers (packed rows change
+    shape from batch to batch, which compiled layers and CUDA graphs would recompile for), the fast paths on."""
+    if not setting.auto or setting.compiled or data is None or len({len(ids) for ids, _ in data.train}) < 2:
+        return False
+    return model_type(model) in PACKED_MODEL_TYPES
 
 
-def _kernels(cfg: TrainConfig, device: torch.device, model, say, liger: bool, liger_loss: bool = False) -> list[str]:
-    """Liger's kernels where `fast_paths` chose them and they are installed; what the start line reports of the
-    fast paths (`liger_loss`: the fused loss runs through Liger's kernel, see uses_liger_loss)."""
-    done = []
-    if cfg.fused_loss and supports_chunked_loss(model):
-        done.append("fused loss (Liger's kernel)" if liger_loss else "fused loss")
-    if liger:
-        if liger_available():
-            done += [f"Liger {', '.join(k)}" for k in [apply_liger(model)] if k]
-        else:
-            say("liger-kernel is not installed: pip install 'tunesmith[cuda]' for its Triton kernels "
-                "(--no-liger hides this note)")
-    return done
+def skips_on_device(optimizer, accelerator) -> bool:
+    """Whether the non-finite guard can run on the device: torch's fused AdamW (whose kernel skips an update it is
+    told is bad), one process (several must reduce the loss first) and no fp16 grad scaler (which has its own)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return (type(inner) is torch.optim.AdamW and bool(inner.defaults.get("fused")) and accelerator.num_processes == 1
+            and accelerator.scaler is None)
 
 
-def _skipped(step: int, loss: float, grad_norm: float, streak: int, cfg: TrainConfig, log: RunLog, say,
-             saver: Checkpointer) -> None:
-    """Log a step the non-finite guard skipped; after cfg.max_bad_steps in a row, stop with a diagnosis."""
-    log.write("skip", step=step, loss=str(loss), grad_norm=str(grad_norm), in_a_row=streak)
-    say(f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not finite; step skipped, weights unchanged "
-        f"({streak} in a row; the run stops at {cfg.max_bad_steps})")
-    if streak >= cfg.max_bad_steps:
-        done = saver.complete()
+def _skipped(step: int, loss: float, grad_norm: float, streak: int, cfg: TrainConfig, run: Run) -> None:
+    """Log a step the non-finite guard skipped; after MAX_BAD_STEPS in a row, stop with a diagnosis."""
+    run.log.write("skip", step=step, loss=str(loss), grad_norm=str(grad_norm), in_a_row=streak)
+    run.say(f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not finite; step skipped, weights "
+            f"unchanged ({streak} in a row; the run stops at {MAX_BAD_STEPS})")
+    if streak >= MAX_BAD_STEPS:
+        done = run.saver.complete()
         kept = f"the last checkpoint, {done[0][1]}, is intact" if done else "no checkpoint was saved yet"
         raise TunesmithError(
             f"steps {step - streak + 1}..{step}: the loss or gradient norm was NaN/inf {streak} times in a row "
@@ -773,6 +840,13 @@ class _Ahead:
     n_tokens: int
     batch_size: int
     batches: list
+
+    @classmethod
+    def make(cls, run: Run, seed: int, step: int) -> _Ahead:
+        acc = run.accelerator
+        examples, count = _examples_of(run, seed, step, acc.process_index, acc.num_processes)
+        return cls(step, examples, count, run.batch_size,
+                   _device_batches(examples, run.batch_size, run.pad_id, acc.device, run.packed))
 
 
 def _examples_of(run: Run, seed: int, step: int, rank: int, world: int) -> tuple[list, int]:
@@ -821,100 +895,6 @@ def _accumulate(model, accelerator, examples: list, batch_size: int, n_tokens: i
     return torch.stack(parts).sum()  # on the device: read when the step is done, not after each micro-batch
 
 
-PACKED_MODEL_TYPES = ("llama",)  # packed position_ids verified to keep each example to itself (tests)
-
-
-def packs_records(cfg: TrainConfig, model, compiled: bool, data: TokenData | None) -> bool:
-    """Whether micro-batches are packed (data.collate_packed): training data of different lengths (.jsonl records;
-    text blocks are all --seq-len long and gain nothing), and auto: a Llama-family model with eager layers (packed
-    rows change shape from batch to batch, which compiled layers and CUDA graphs would recompile for); on: any."""
-    if cfg.pack_records == "off" or data is None or len({len(ids) for ids, _ in data.train}) < 2:
-        return False
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return cfg.pack_records == "on" or (not compiled and model_type in PACKED_MODEL_TYPES)
-
-
-def skips_on_device(optimizer, accelerator) -> bool:
-    """Whether the non-finite guard can run on the device: torch's fused AdamW (whose kernel skips an update it is
-    told is bad), one process (several must reduce the loss first) and no fp16 grad scaler (which has its own)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return (type(inner) is torch.optim.AdamW and bool(inner.defaults.get("fused")) and accelerator.num_processes == 1
-            and accelerator.scaler is None)
-
-
-def _evaluates(cfg: TrainConfig, number: int) -> bool:  # (and the last step, where there is validation data)
-    return bool(cfg.eval_every and number % cfg.eval_every == 0)
-
-
-def _checkpoints(cfg: TrainConfig, number: int) -> bool:  # (and the last step, and a stop)
-    return bool(cfg.checkpoint_every and number % cfg.checkpoint_every == 0)
-
-
-def _calibrates(cfg: TrainConfig, number: int) -> bool:  # the step after which --time-budget resizes the run
-    return bool(cfg.time_budget and number == CALIBRATION_STEPS)
-
-
-def overlaps(cfg: TrainConfig, number: int, total: int, evaluates: bool) -> bool:
-    """Whether the step that ends as step `number` lets the next step's forward and backward passes start before
-    its loss and gradient norm are read (--overlap-steps; only where the update's skip is taken on the device, so
-    nothing the next passes compute depends on the read): not the last step, nor one that evaluates (`evaluates`:
-    the run has validation data), checkpoints or times the run for --time-budget, whose work must see the random
-    state and weights of this step alone. The same tests as the loop's own."""
-    return (cfg.overlap_steps and number < total and not (evaluates and _evaluates(cfg, number))
-            and not _checkpoints(cfg, number) and not _calibrates(cfg, number))
-
-
-def _read_later(stats: torch.Tensor):
-    """A device tensor's values, copied to the host now (on CUDA: into pinned memory, behind the work already
-    queued, with an event after it) and read when the returned function is called: waiting for this copy alone,
-    not for what is queued after it, as `tolist()` then would (it copies at the end of the stream)."""
-    if stats.device.type != "cuda":
-        values = stats.tolist()
-        return lambda: values
-    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-    host.copy_(stats, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def read():
-        done.synchronize()
-        return host.tolist()
-
-    return read
-
-
-def _launch_early(model, accelerator, ahead: _Ahead, run: Run, loss_fn: LossFn, optimizer) -> tuple | None:
-    """The next step's forward and backward passes, launched behind this step's update: (examples, supervised
-    tokens, its loss on the device). Out of memory: None, and the step is made again the usual way (which halves
-    the micro-batch)."""
-    try:
-        step_loss = _accumulate(model, accelerator, ahead.examples, ahead.batch_size, ahead.n_tokens, run.pad_id,
-                                loss_fn, run.graphed, ahead.batches, run.packed)
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        step_loss = None
-    if step_loss is None:
-        optimizer.zero_grad(set_to_none=True)  # outside the handler: the traceback's activations are gone
-        free_memory(accelerator.device)
-        return None
-    return ahead.examples, ahead.n_tokens, step_loss
-
-
-def _step_on_device(optimizer, step_loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """The optimizer step, skipped by the fused kernel when the loss or the gradient norm is not finite. Returns
-    [loss, norm] on the device, for the caller's one host sync of the step."""
-    stats = torch.stack([step_loss.double(), norm.double()])
-    inner = getattr(optimizer, "optimizer", optimizer)
-    inner.found_inf = (~torch.isfinite(stats)).any().float()  # what GradScaler hands the fused kernels
-    try:
-        optimizer.step()
-    finally:
-        del inner.found_inf
-    optimizer.zero_grad(set_to_none=True)
-    return stats
-
-
 def _halve_batch(device: torch.device, step: int, batch_size: int, examples: int, bar, progress: bool,
                  log: RunLog) -> int:
     """After an out-of-memory error: free the cache, halve the micro-batch, say so; the step is redone."""
@@ -935,13 +915,13 @@ def _delete(path: Path) -> None:
         path.unlink()
 
 
-def _peer_lost(e: BaseException, run: Run, cfg: TrainConfig) -> str:
+def _peer_lost(e: BaseException, run: Run) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     done = run.saver.complete()
     kept = f"The newest checkpoint, {done[0][1]}, is intact" if done else "No checkpoint was saved yet"
     return (f"process {run.accelerator.process_index} of {run.accelerator.num_processes}: another process stopped, "
-            f"or did not answer within --dist-timeout {cfg.dist_timeout:g}s ({first[:200]}); stopping too. {kept}: "
-            "run the same command with --resume to continue")
+            f"or did not answer within {dist_timeout():g}s (TUNESMITH_DIST_TIMEOUT) ({first[:200]}); stopping too. "
+            f"{kept}: run the same command with --resume to continue")
 
 
 def _oom_advice(e: BaseException, step: int, batch_size: int, world: int, seq_len: int) -> str:

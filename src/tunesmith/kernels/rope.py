@@ -1,6 +1,6 @@
 """Rotary position embedding straight out of the joined q/k/v product, and its gradient straight back into it.
 
-The fused q/k/v attention (`fused.fuse_qkv`) computes one [tokens, (Hq + 2 Hk) D] product. transformers then splits
+The fused q/k/v attention (`qkv.fuse_qkv`) computes one [tokens, (Hq + 2 Hk) D] product. transformers then splits
 it, rotates q and k (q cos + rotate_half(q) sin, each product and the sum rounded to the compute dtype), and the
 backward pass undoes the rotation and joins dq, dk and dv into the product's gradient; torch.compile fuses each of
 these into one elementwise kernel whose every element works out which part, head, position and half it belongs to.

@@ -13,8 +13,7 @@ atomics, the same bits from the same inputs.
 
 The kernels are Triton, on CUDA. The same two operations in plain PyTorch (fp32 inside, as the kernels compute)
 serve every other device, so the function's algebra is tested on the CPU; the Triton kernels themselves are
-checked against them by the tests under Triton's interpreter where Triton is installed, and on the GPU by
-bench/lora_mlp.py.
+checked against them by the tests under Triton's interpreter where Triton is installed.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ import functools
 
 import torch
 
-from tunesmith.products import products_sum
+from tunesmith.kernels.base import Setting, plain_lora, replace_forward, restore_forward, triton_available
+from tunesmith.kernels.products import products_sum
 
 try:
     import triton
@@ -51,7 +51,7 @@ def _forward_reference(g0, u0, xa, bg, bu, ad, sg, su):
     return h, (h.to(torch.float32) @ ad.to(torch.float32).t()).to(g0.dtype)
 
 
-def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, shares: int = 0):
+def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
     g, u = _swiglu_reference(g0, u0, xa, bg, bu, sg, su)
     dh = torch.addmm(dh0.to(torch.float32), dyb.to(torch.float32), ad.to(torch.float32), alpha=sd)
     sig = torch.sigmoid(g)
@@ -61,13 +61,8 @@ def _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, shares: in
     du = (dh * silu).to(dt)
     dxa = torch.cat([dg.to(f) @ bg.to(f) * sg, du.to(f) @ bu.to(f) * su], dim=1)
     h = (silu * u).to(dt)
-    if shares:  # A_d's gradient, sd dyb^T h, in place of h; with 3, also B_g's and B_u's, transposed
-        grads = [dyb.to(f).t() @ h.to(f) * sd]
-        if shares == 3:
-            r = bg.shape[1]
-            grads += [xa[:, :r].to(f).t() @ dg.to(f) * sg, xa[:, r:].to(f).t() @ du.to(f) * su]
-        h = (grads[0] if shares == 1 else torch.stack(grads)).to(dt)
-    return dg, du, h, dxa.to(dt)
+    dad = (dyb.to(f).t() @ h.to(f) * sd).to(dt)  # A_d's gradient, sd dyb^T h
+    return dg, du, dad, dxa.to(dt)
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels
@@ -126,12 +121,11 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_bwd_kernel(DH, DYB, AD, G, U, XA, BG, BU, DG, DU, H, DXA, M, N, W, stride_dh, stride_dyb, stride_g,
-                           stride_u, stride_xa, stride_dg, stride_du, stride_h, sg, su, sd,
+                           stride_u, stride_xa, stride_dg, stride_du, sg, su, sd,
                            R: tl.constexpr, RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PRECISION: tl.constexpr, SHARES: tl.constexpr, EVEN: tl.constexpr):
-        # SHARES 1: instead of h ([M, N]), each row block's share of A_d's gradient, sd dyb^T h ([R, N] in fp32, at
-        # H + row block * R * N), summed over the row blocks afterwards; 3: after it in the same slot, the shares of
-        # B_g's and B_u's gradients, transposed (sg xa_g^T dg and su xa_u^T du, from dg and du as stored)
+                           PRECISION: tl.constexpr, EVEN: tl.constexpr):
+        # Not h ([M, N]) but each row block's share of A_d's gradient, sd dyb^T h ([R, N] in fp32, at
+        # H + row block * R * N), summed over the row blocks afterwards: h is never written
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         seg = tl.program_id(1)
         rk = tl.arange(0, RP)
@@ -163,16 +157,9 @@ if triton is not None:
             du = (dh * silu).to(DU.dtype.element_ty)
             _store(DG + rows * stride_dg + rn[None, :], dg, tile, EVEN)
             _store(DU + rows * stride_du + rn[None, :], du, tile, EVEN)
-            if SHARES > 0:
-                h = (silu * u).to(DG.dtype.element_ty)  # as the product from a stored h would read it
-                part = H + tl.program_id(0).to(tl.int64) * SHARES * R * N + rk[:, None] * N + rn[None, :]
-                tl.store(part, sd * tl.dot(tl.trans(dyb), h, input_precision=PRECISION), mask=b_mask)
-                if SHARES == 3:
-                    tl.store(part + R * N, sg * tl.dot(tl.trans(xa_g), dg, input_precision=PRECISION), mask=b_mask)
-                    tl.store(part + 2 * R * N, su * tl.dot(tl.trans(xa_u), du, input_precision=PRECISION),
-                             mask=b_mask)
-            else:
-                _store(H + rows * stride_h + rn[None, :], (silu * u).to(H.dtype.element_ty), tile, EVEN)
+            h = (silu * u).to(DG.dtype.element_ty)  # as the product from a stored h would read it
+            part = H + tl.program_id(0).to(tl.int64) * R * N + rk[:, None] * N + rn[None, :]
+            tl.store(part, sd * tl.dot(tl.trans(dyb), h, input_precision=PRECISION), mask=b_mask)
             dxa_g += tl.dot(dg, tl.trans(bg), input_precision=PRECISION)  # dg B_g, from dg as stored
             dxa_u += tl.dot(du, tl.trans(bu), input_precision=PRECISION)
         out = DXA + seg.to(tl.int64) * M * (2 * R) + rows * (2 * R) + rk[None, :]
@@ -180,47 +167,16 @@ if triton is not None:
         tl.store(out + R, su * dxa_u, mask=a_mask)
 
 
-# BLOCK_M, BLOCK_N, warps, width segments[, pipeline stages] (bench/lora_mlp.py --sweep)
-# Segments 0: as many as it takes for PROGRAMS_PER_SM programs on each multiprocessor (a power of two, at most
-# MAX_SEGMENTS). On an H200 that is 4 for the 1B row's 256 row blocks and 8 for the 8B row's 128, the fastest or
-# within noise of it for both kernels (bench/results/h200-2026-12-02-lora-mlp-sweep2.txt); one segment left the 8B
-# row's single wave of 128 programs a quarter slower. Four pipeline stages (of the small B and A tiles' loads; the
-# full-size tiles are loaded into registers, so shared memory stays at 16-22 KB a program on sm_80-sm_90 at any
-# depth): the forward 0.93x of Triton's default depth on the 8B row, the backward level
-# (2026-12-03, bench/results/h200-2026-12-03-even.txt).
+# BLOCK_M, BLOCK_N, warps, width segments[, pipeline stages]. Segments 0: as many as it takes for PROGRAMS_PER_SM
+# programs on each multiprocessor (a power of two, at most MAX_SEGMENTS): a single wave of too few programs leaves
+# multiprocessors idle. Four pipeline stages of the small B and A tiles' loads; the full-size tiles are loaded into
+# registers, so shared memory stays at 16-22 KB a program on sm_80-sm_90 at any depth.
 TILES = {"forward": (64, 64, 4, 0, 4), "backward": (64, 64, 4, 0, 4)}
 PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 8
 
-
-# A_d's gradient summed by the backward kernel (each row block's share of dyb^T h in fp32, then summed over the row
-# blocks) instead of by a product over the SwiGLU output h, which the kernel then need not write: per layer the
-# [tokens, intermediate] h written and read once more against [row blocks, r, intermediate] shares in fp32, about
-# half the bytes at 64-row blocks. Checked against the reference under Triton's interpreter. On an H200 (2026-12-03)
-# the backward's A_d part took 0.84x (8B row) and 0.78x (1B row) of the time (bench/lora_mlp.py --kernels-only), and
-# with ROPE_KERNEL the 8B training step ran 0.4-0.5% faster at 0.11 GiB less peak memory: on.
-DAD_IN_KERNEL = True
-
-# With DAD_IN_KERNEL, B_g's and B_u's gradients summed by the backward kernel too (each row block's shares of
-# xa_g^T dg and xa_u^T du next to A_d's), instead of by two products that read dg and du back.
-LORA_B_IN_KERNEL = False
-
-
-def shares() -> int:
-    """What the backward kernel writes in place of h: 0 (h itself), 1 (A_d's gradient's shares) or 3 (and B_g's
-    and B_u's), as DAD_IN_KERNEL and LORA_B_IN_KERNEL say."""
-    return (3 if LORA_B_IN_KERNEL else 1) if DAD_IN_KERNEL else 0
-
 # Pipeline stages in fp32, whatever TILES says (see _options).
 FP32_STAGES = 1
-
-# Tiles that cover the tensors exactly are loaded and stored without masks: on an H200 (2026-12-03) the kernels took
-# 0.73-0.99x the time of the masked ones at the 1B and 8B rows' shapes in three calls (bench/lora_mlp.py --masked).
-MASKLESS = True
-
-# Multiply-adds fused into FMAs, as the kernels were measured (Triton's default until 3.9; 3.10 turns it off unless
-# asked for).
-FMA = True
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -262,7 +218,8 @@ def _options(tiles: tuple, dtype: torch.dtype) -> dict:
     needs 148 KB at three stages, more than the 99 KB a program may have on sm_86/sm_89, 40 KB at one)."""
     _, _, warps, _, *stages = tiles
     stages = [FP32_STAGES] if dtype == torch.float32 else stages
-    return {"num_warps": warps, "enable_fp_fusion": FMA, **({"num_stages": stages[0]} if stages else {})}
+    # multiply-adds fused into FMAs, as Triton did by default before 3.10
+    return {"num_warps": warps, "enable_fp_fusion": True, **({"num_stages": stages[0]} if stages else {})}
 
 
 def _layout(tiles: tuple, m: int, n: int, device: torch.device, dtype: torch.dtype
@@ -275,9 +232,9 @@ def _layout(tiles: tuple, m: int, n: int, device: torch.device, dtype: torch.dty
 
 
 def _even(m: int, n: int, bm: int, bn: int) -> bool:
-    """Whether the tiles cover an m x n tensor exactly (segments are whole tiles), so that with MASKLESS the
-    kernels load and store its tiles without masks."""
-    return MASKLESS and m % bm == 0 and n % bn == 0
+    """Whether the tiles cover an m x n tensor exactly (segments are whole tiles), so that the kernels load and
+    store its tiles without masks (which split the loads)."""
+    return m % bm == 0 and n % bn == 0
 
 
 def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -294,21 +251,18 @@ def _forward_triton(g0, u0, xa, bg, bu, ad, sg, su, tiles=None):
     return h, _summed(ha, g0.dtype)
 
 
-def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None, shares: int = 0):
+def _backward_triton(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, tiles=None):
     (m, n), r = g0.shape, bg.shape[1]
     bm, bn, width, grid, options = _layout(tiles or TILES["backward"], m, n, g0.device, g0.dtype)
     dg, du = g0.new_empty(m, n), g0.new_empty(m, n)
-    # shares: a slot of A_d's gradient (and B_g's and B_u's) for each row block, in place of h
-    h = g0.new_empty(grid[0], shares, r, n, dtype=torch.float32) if shares else g0.new_empty(m, n)
+    shares = g0.new_empty(grid[0], r, n, dtype=torch.float32)  # each row block's share of A_d's gradient
     dxa = g0.new_empty(grid[1], m, 2 * r, dtype=torch.float32)
     _swiglu_bwd_kernel[grid](
-        dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, h, dxa, m, n, width, dh0.stride(0), dyb.stride(0), g0.stride(0),
-        u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), h.stride(-2), sg, su, sd, R=r, RP=_rank_pad(r),
-        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), SHARES=shares, EVEN=_even(m, n, bm, bn), **options)
-    if shares:
-        h = _summed(h, g0.dtype)  # the row blocks' shares, in a fixed order
-        h = h[0] if shares == 1 else h
-    return dg, du, h, _summed(dxa, g0.dtype)
+        dh0, dyb, ad, g0, u0, xa, bg, bu, dg, du, shares, dxa, m, n, width, dh0.stride(0), dyb.stride(0),
+        g0.stride(0), u0.stride(0), xa.stride(0), dg.stride(0), du.stride(0), sg, su, sd, R=r, RP=_rank_pad(r),
+        BLOCK_M=bm, BLOCK_N=bn, PRECISION=_precision(g0), EVEN=_even(m, n, bm, bn), **options)
+    # the row blocks' shares summed in a fixed order
+    return dg, du, _summed(shares, g0.dtype), _summed(dxa, g0.dtype)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -339,26 +293,20 @@ def _(g0, u0, xa, bg, bu, ad, sg, su):
 @torch.library.custom_op("tunesmith::lora_swiglu_backward", mutates_args=())
 def lora_swiglu_backward(dh0: torch.Tensor, dyb: torch.Tensor, ad: torch.Tensor, g0: torch.Tensor, u0: torch.Tensor,
                          xa: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor, sg: float, su: float,
-                         sd: float, shares: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         sd: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """With dh = dh0 + sd dyb ad (the SwiGLU output's gradient, the down projection's rank-r term included): the
-    gradients of g and u ([m, n] each); the SwiGLU output h itself, which A_d's gradient needs ([m, n]), or with
-    `shares` 1 that gradient, sd dyb^T h ([r, n]), summed in the same pass, or with 3 that and B_g's and B_u's
-    gradients transposed, sg xa_g^T dg and su xa_u^T du ([3, r, n]); and the gradient of xa,
-    [sg dg bg | su du bu] ([m, 2r])."""
-    if shares not in (0, 1, 3):
-        raise ValueError(f"shares is 0, 1 or 3, not {shares}")
+    gradients of g and u ([m, n] each); A_d's gradient, sd dyb^T h ([r, n]), summed in the same pass from the
+    SwiGLU output h, which is never written; and the gradient of xa, [sg dg bg | su du bu] ([m, 2r])."""
     if _use_triton(g0):
         return _backward_triton(dh0.contiguous(), dyb.contiguous(), ad.contiguous(), g0.contiguous(),
-                                u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(), sg, su, sd,
-                                shares=shares)
-    return _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, shares=shares)
+                                u0.contiguous(), xa.contiguous(), bg.contiguous(), bu.contiguous(), sg, su, sd)
+    return _backward_reference(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
 
 
 @lora_swiglu_backward.register_fake
-def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, shares=0):
+def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
     (m, n), r = g0.shape, bg.shape[1]
-    h = g0.new_empty(m, n) if not shares else g0.new_empty(r, n) if shares == 1 else g0.new_empty(3, r, n)
-    return g0.new_empty(g0.shape), g0.new_empty(g0.shape), h, g0.new_empty(m, 2 * r)
+    return g0.new_empty(g0.shape), g0.new_empty(g0.shape), g0.new_empty(r, n), g0.new_empty(m, 2 * r)
 
 
 # ------------------------------------------------------------------------------------------------ the MLP
@@ -389,14 +337,104 @@ class LoraMLPFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dyb = dy @ bd
         dbd = (dy.t() @ ha).mul_(sd)
-        n_shares = shares()
-        dg, du, h, dxa = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd, n_shares)
-        if n_shares == 3:
-            dad, dbg, dbu = h[0], h[1].t(), h[2].t()
-        else:
-            dad = h if n_shares else (dyb.t() @ h).mul_(sd)
-            dbg = (dg.t() @ xa[:, :r]).mul_(sg)
-            dbu = (du.t() @ xa[:, r:]).mul_(su)
+        dg, du, dad, dxa = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
+        dbg = (dg.t() @ xa[:, :r]).mul_(sg)
+        dbu = (du.t() @ xa[:, r:]).mul_(su)
         dx = products_sum([dg, wg, du, wu, dxa, agu], [1.0, 1.0, 1.0]) if ctx.needs_input_grad[0] else None
         dagu = dxa.t() @ x
         return dx, None, None, None, dagu, dbg, dbu, dad, dbd, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------ the path
+
+MLP = ("gate_proj", "up_proj", "down_proj")
+# The kernels hold [rows, rank] blocks in registers beside each tile (measured at rank 16); larger ranks keep PEFT's
+# layers rather than spill.
+MLP_MAX_RANK = 32
+
+
+def _mlp_parts(module) -> list[str] | None:
+    """The adapters' names if `module` is a Llama-family SiLU-gated MLP whose gate, up and down projections are all
+    plain LoRA layers at dropout 0 (`_plain_lora`) of one rank (at most MLP_MAX_RANK) over bias-free bases of one
+    dtype; else None."""
+    if not all(hasattr(module, p) for p in MLP) or getattr(getattr(module, "config", None), "hidden_act", None) != "silu":
+        return None
+    layers = [getattr(module, p) for p in MLP]
+    names = [plain_lora(layer) for layer in layers]
+    if any(n is None for n in names):
+        return None
+    ranks = {layer.lora_A[n].weight.shape[0] for layer, n in zip(layers, names, strict=True)}
+    if len(ranks) != 1 or ranks.pop() > MLP_MAX_RANK:
+        return None
+    if len({(layer.base_layer.weight.dtype, layer.base_layer.weight.device) for layer in layers}) != 1:
+        return None
+    return names
+
+
+def _forward(self, x):
+    """The MLP through `lora_mlp.LoraMLPFunction` (a SwiGLU kernel that makes the gate and up LoRA terms itself);
+    anything else -- adapters switched off or merged since, mixed dtypes outside autocast -- goes through the
+    module's own forward."""
+    names = _mlp_parts(self)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    elif len({x.dtype} | {p.dtype for p in self.parameters()}) == 1:
+        dtype = x.dtype
+    else:
+        names = None
+    if names != self.tunesmith_mlp_names:
+        return type(self).forward(self, x)
+    gate, up, down = (getattr(self, p) for p in MLP)
+    ng, nu, nd = names
+    agu = torch.cat([gate.lora_A[ng].weight, up.lora_A[nu].weight]).to(dtype)
+    y = LoraMLPFunction.apply(x.reshape(-1, x.shape[-1]).to(dtype), gate.base_layer.weight.to(dtype),
+                              up.base_layer.weight.to(dtype), down.base_layer.weight.to(dtype), agu,
+                              gate.lora_B[ng].weight.to(dtype), up.lora_B[nu].weight.to(dtype),
+                              down.lora_A[nd].weight.to(dtype), down.lora_B[nd].weight.to(dtype),
+                              float(gate.scaling[ng]), float(up.scaling[nu]), float(down.scaling[nd]))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def fuse_mlp(model: torch.nn.Module) -> int:
+    """Give each Llama-family MLP with plain LoRA on gate, up and down (`_mlp_parts`) the LoRA-aware forward.
+    Returns how many MLPs; `unfuse_mlp` undoes it."""
+    count = 0
+    for module in model.modules():
+        names = _mlp_parts(module) if type(module).__name__.endswith("MLP") else None
+        if names is None:
+            continue
+        module.tunesmith_mlp_names = names
+        replace_forward(module, _forward, LoraMLP.name)
+        count += 1
+    return count
+
+
+def unfuse_mlp(model: torch.nn.Module) -> torch.nn.Module:
+    """What `fuse_mlp` did, undone: the module's own forward."""
+    for module in model.modules():
+        if "tunesmith_mlp_names" in vars(module):
+            del module.tunesmith_mlp_names
+            restore_forward(module, LoraMLP.name)
+    return model
+
+
+class LoraMLP:
+    """The LoRA-aware MLP: Llama-family MLP with plain LoRA at dropout 0 on gate, up and down; its Triton kernels on
+    CUDA (elsewhere the plain-PyTorch reference, fp32 inside: for checking, slower than PEFT's layers, so not
+    taken there); LoRA, not under FSDP2."""
+
+    name = "LoRA-aware MLP"
+    tolerance = 1e-2  # the SwiGLU and its gradient in fp32 inside, rounded once to the compute dtype (bf16)
+
+    def applies(self, setting: Setting, model) -> bool:
+        return setting.lora and setting.device == "cuda" and triton_available()
+
+    def apply(self, model, setting: Setting | None = None) -> str | None:
+        return self.name if fuse_mlp(model) else None
+
+    def undo(self, model) -> None:
+        unfuse_mlp(model)
+
+
+PATH = LoraMLP()
