@@ -1,4 +1,4 @@
-"""rope.rope_qkv: RoPE straight out of the joined q/k/v product and its gradient back into it."""
+"""kernels.rope.rope_qkv: RoPE straight out of the joined q/k/v product and its gradient back into it."""
 
 import os
 import subprocess
@@ -8,13 +8,13 @@ import types
 import pytest
 import torch
 
-from tunesmith import fused, rope
+from tunesmith.kernels import qkv, rope
 
 CHECK = """
 import itertools
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-from tunesmith import rope as R
+from tunesmith.kernels import rope as R
 torch.manual_seed(0)
 worst = {torch.float32: 0.0, torch.float16: 0.0}
 for (b, s, hq, hk, d, dt), per_row in itertools.product(
@@ -81,16 +81,14 @@ def test_the_op_s_gradient_is_its_reference_s():
 
 
 def test_rope_kernel_is_used_only_where_it_applies(monkeypatch):
-    qkv, hidden = torch.zeros(2 * 5, 64), torch.zeros(2, 5, 32)
+    qkv_out, hidden = torch.zeros(2 * 5, 64), torch.zeros(2, 5, 32)
     cos = torch.zeros(1, 5, 16)
     module = types.SimpleNamespace(apply_rotary_pos_emb=lambda *a: a)
-    args = (qkv, hidden, cos, module, [32, 16, 16], 16)
-    assert not fused._rope_kernel(*args)  # off by default
-    monkeypatch.setattr(fused, "ROPE_KERNEL", True)
-    assert not fused._rope_kernel(*args)  # the CPU: transformers' RoPE
-    monkeypatch.setattr(fused, "ROPE_ON_CPU", True)
-    assert fused._rope_kernel(*args)
+    args = (qkv_out, hidden, cos, module, [32, 16, 16], 16)
+    assert not qkv._rope_kernel(*args)  # the CPU: transformers' RoPE
+    monkeypatch.setattr(qkv, "ROPE_ON_CPU", True)
+    assert qkv._rope_kernel(*args)
     liger = types.SimpleNamespace(apply_rotary_pos_emb=types.SimpleNamespace(_tunesmith_liger=True))
-    assert not fused._rope_kernel(qkv, hidden, cos, liger, [32, 16, 16], 16)  # Liger's RoPE stays Liger's
-    assert not fused._rope_kernel(qkv, hidden, torch.zeros(1, 5, 8), module, [32, 16, 16], 16)  # partial rotary
-    assert not fused._rope_kernel(qkv, hidden, cos, module, [32, 16, 8], 16)  # k and v of different sizes
+    assert not qkv._rope_kernel(qkv_out, hidden, cos, liger, [32, 16, 16], 16)  # Liger's RoPE stays Liger's
+    assert not qkv._rope_kernel(qkv_out, hidden, torch.zeros(1, 5, 8), module, [32, 16, 16], 16)  # partial rotary
+    assert not qkv._rope_kernel(qkv_out, hidden, cos, module, [32, 16, 8], 16)  # k and v of different sizes
