@@ -214,7 +214,7 @@ def test_the_liger_loss_is_chosen_on_cuda_with_liger_installed_and_not_under_fsd
 
     def chosen(device="cuda", fsdp=False, **cfg):
         setting = Setting(TrainConfig(**cfg), device, fsdp=fsdp)
-        taken = [p for p in both if p.applies(setting, model)]
+        taken = kernels.apply_paths(model, setting, paths=both).paths
         assert len(taken) <= 1  # one loss or the other, never both
         return taken[0] if taken else None
 
@@ -227,7 +227,8 @@ def test_the_liger_loss_is_chosen_on_cuda_with_liger_installed_and_not_under_fsd
     # the start line says which loss runs
     monkeypatch.setattr(liger_loss, "liger_available", lambda: True)
     cuda = kernels.apply_paths(model, Setting(TrainConfig(), "cuda"), paths=both)
-    assert cuda.labels == ["fused loss (Liger's kernel)"] and cuda.loss.keywords == {"liger": True}
+    assert cuda.labels == ["fused loss (Liger's kernel)"]
+    assert cuda.loss.keywords == {"cross_entropy": liger_loss.linear_cross_entropy_sum}
     assert kernels.apply_paths(model, Setting(TrainConfig(), "cpu"), paths=both).labels == ["fused loss"]
 
 

@@ -5,7 +5,8 @@ was applied in reverse order when training ends (`Applied.undo`). `--fast-paths 
 path (transformers' layers, PEFT's LoRA, evaluate.loss_sum) that every path is tested against.
 
 The order matters where two paths touch one module: Liger's SwiGLU gives way to the LoRA-aware MLP, and the eager
-recompute functions pass over modules another path already replaced.
+recompute functions pass over modules another path already replaced. A run takes one loss: the first loss path
+that applies (Liger's kernel where it can run, else the plain chunks).
 """
 
 from __future__ import annotations
@@ -52,14 +53,15 @@ def apply_paths(model: torch.nn.Module, setting: Setting, paths=PATHS) -> Applie
     """Apply each path of `paths` that applies to this run and model; what was applied, to undo later."""
     applied = Applied()
     for path in paths:
-        if not path.applies(setting, model):
+        is_loss = hasattr(path, "loss")
+        if (is_loss and applied.loss is not None) or not path.applies(setting, model):
             continue
         label = path.apply(model, setting)
         if label is None:  # nothing in this model it could change
             continue
         applied.paths.append(path)
         applied.labels.append(label)
-        if hasattr(path, "loss"):
+        if is_loss:
             applied.loss = path.loss(setting)
     return applied
 

@@ -175,7 +175,7 @@ class LigerLoss:
         pass  # it changes no module
 
     def loss(self, setting: Setting) -> LossFn:
-        return partial(chunked_loss_sum, liger=True)
+        return partial(chunked_loss_sum, cross_entropy=linear_cross_entropy_sum)
 
 
 PATH = LigerLoss()

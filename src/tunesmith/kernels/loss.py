@@ -10,6 +10,7 @@ with liger-kernel installed, `liger_loss` takes its place.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 
@@ -35,9 +36,10 @@ def _forward_params(module) -> set[str]:
 
 
 def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                     liger: bool = False) -> tuple[torch.Tensor, int]:
-    """evaluate.loss_sum without the full-vocabulary logits: the same value and gradients (to rounding). `liger`:
-    through Liger's kernel on CUDA (liger_loss.linear_cross_entropy_sum)."""
+                     cross_entropy: Callable | None = None) -> tuple[torch.Tensor, int]:
+    """evaluate.loss_sum without the full-vocabulary logits: the same value and gradients (to rounding).
+    `cross_entropy(hidden, weight, targets, softcap)`: the summed loss of the supervised rows (default:
+    linear_cross_entropy_sum; liger_loss passes Liger's)."""
     lm = causal_lm(model)
     head, decoder = lm.get_output_embeddings(), lm.get_decoder()
     captured: list[torch.Tensor] = []
@@ -66,12 +68,7 @@ def chunked_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         hidden = captured[0][:, :-1][keep_rows]  # [supervised tokens, hidden]
         targets = labels[keep_rows]
     softcap = getattr(lm.config, "final_logit_softcapping", None) or 0.0
-    if liger:
-        from tunesmith.kernels.liger_loss import linear_cross_entropy_sum as liger_sum
-
-        loss = liger_sum(hidden, head.weight, targets, softcap)
-    else:
-        loss = linear_cross_entropy_sum(hidden, head.weight, targets, softcap)
+    loss = (cross_entropy or linear_cross_entropy_sum)(hidden, head.weight, targets, softcap)
     if hasattr(head, "reshard") and not head.weight.requires_grad:
         # FSDP2 keeps the output layer's gathered weight until the backward pass is done with it; a frozen head's
         # part of the backward is already computed here, so its whole weight goes back to its shards now.
@@ -159,9 +156,7 @@ class ChunkedLoss:
     tolerance = 1e-5  # the same sums in another order (fp32)
 
     def applies(self, setting: Setting, model) -> bool:
-        from tunesmith.kernels.liger_loss import PATH as LIGER_LOSS
-
-        return setting.auto and supports_chunked_loss(model) and not LIGER_LOSS.applies(setting, model)
+        return setting.auto and supports_chunked_loss(model)  # (liger_loss comes first where it applies)
 
     def apply(self, model, setting: Setting) -> str:
         return self.name
