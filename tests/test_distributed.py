@@ -36,12 +36,12 @@ def _env() -> dict:
 
 
 def _two_processes(tmp_path: Path, name: str, config: dict, rank_overrides: dict | None = None,
-                   force_mlp: bool = False) -> list[dict]:
+                   force_mlp: bool = False, default_loss: bool = False) -> list[dict]:
     out = tmp_path / f"{name}-out"
     out.mkdir()
     spec = tmp_path / f"{name}.json"
     spec.write_text(json.dumps({"config": config, "out": str(out), "rank_overrides": rank_overrides or {},
-                                "force_mlp": force_mlp}))
+                                "force_mlp": force_mlp, "default_loss": default_loss}))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist_worker.py"), str(spec)],
                           capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
@@ -337,3 +337,47 @@ def test_the_fsdp2_plugin_wraps_each_decoder_layer(tiny_model):
     wrap = fsdp2_prepare_auto_wrap_policy(plugin, tiny_model)
     wrapped = [type(m).__name__ for m in tiny_model.modules() if wrap(m)]
     assert wrapped == ["LlamaDecoderLayer"] * tiny_model.config.num_hidden_layers
+
+
+def _records(tmp_path: Path) -> Path:
+    """prompt/completion records of different lengths: padded, or packed where the fast paths pack them."""
+    data = tmp_path / "records.jsonl"
+    words = "speak hear me now what light through yonder window breaks soft".split()
+    data.write_text("".join(json.dumps({"prompt": " ".join(words[: 1 + i % 5]) + ":",
+                                        "completion": " " + " ".join(words[i % 7:][: 2 + i % 9])}) + "\n"
+                            for i in range(40)), encoding="utf-8")
+    return data
+
+
+def _cli_losses(tmp_path: Path, name: str, *argv: str) -> tuple[list[float], str]:
+    out = subprocess.run([sys.executable, "-m", "tunesmith.cli", "train", "--output", str(tmp_path / name), *argv],
+                         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"], out.stderr
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_train_as_one_on_jsonl_records(tmp_path, tiny_dir):
+    """`tunesmith train --gpus 2 --device cpu` on prompt/completion records, with the default fast paths (the
+    fused loss, packed records): the losses of one process at twice the micro-batch, and the start line says so."""
+    argv = ["--model", str(tiny_dir), "--data", str(_records(tmp_path)), "--device", "cpu", "--seq-len", "32",
+            "--max-steps", "4", "--lr", "1e-2", "--warmup-steps", "1", "--lora-dropout", "0", "--eval-every", "0",
+            "--precision", "fp32"]
+    two, err = _cli_losses(tmp_path, "two", *argv, "--gpus", "2", "--batch-size", "2")
+    one, _ = _cli_losses(tmp_path, "one", *argv, "--batch-size", "4")
+    assert "training on cpu x 2 processes" in err and "packed records" in err
+    assert two == pytest.approx(one, rel=1e-5) and len(two) == 4
+
+
+def test_accelerate_s_one_process_cpu_launch_is_named_with_the_way_to_run_several(tmp_path, tiny_dir):
+    """`accelerate launch --cpu --num_processes 2` starts one process (its multi-CPU mode needs MPI): the run says
+    so, and how to start several, instead of training as one process without a word."""
+    env = {**_env(), "ACCELERATE_USE_CPU": "True"}
+    out = subprocess.run([sys.executable, "-m", "tunesmith.cli", "train", "--model", str(tiny_dir), "--data",
+                          str(_records(tmp_path)), "--output", str(tmp_path / "run"), "--device", "cpu",
+                          "--seq-len", "32", "--max-steps", "1", "--eval-every", "0"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "accelerate launch --cpu started one process" in out.stderr
+    assert "tunesmith train --gpus N --device cpu" in out.stderr

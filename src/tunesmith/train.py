@@ -367,6 +367,9 @@ def _place(cfg: TrainConfig, model, data: TokenData | None, progress: bool) -> P
     main, world = accelerator.is_main_process, accelerator.num_processes
     batch_size = _plan_memory(cfg, device, precision, model, run_dir, progress and main, main, world)
     say = (lambda text: _note(progress, text)) if main else (lambda text: None)
+    if os.environ.get("ACCELERATE_USE_CPU") and not several:  # a user who asked accelerate for several got one
+        say("accelerate launch --cpu started one process (its multi-CPU mode needs MPI); for N processes on this "
+            "CPU run tunesmith train --gpus N --device cpu")
     set_seed(cfg.seed)
     return Place(run_dir, accelerator, device, precision, fsdp, batch_size, earlier, say, progress and main)
 
