@@ -245,7 +245,9 @@ class ModelConfig(Config):
 
 @dataclass
 class DataConfig(Config):
-    data: str = opt(DEFAULT_DATA, "data: .txt, .jsonl, a folder with train.jsonl/valid.jsonl, or shakespeare / tinyshakespeare")
+    data: str = opt(DEFAULT_DATA, "data: plain text (.txt, .md or no extension), .jsonl (text, prompt/completion, "
+                    "messages, Alpaca or ShareGPT records), a folder with train.jsonl/valid.jsonl, or shakespeare / "
+                    "tinyshakespeare")
     seq_len: int = opt(256, "tokens per training example (longer records are truncated)", bounds=Bounds(2),
                        aliases=("max_seq_length",))
     val_fraction: float = opt(0.05, "fraction of the data held out for validation when no valid.jsonl exists",
