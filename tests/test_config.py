@@ -175,3 +175,10 @@ def test_a_yaml_key_gets_one_suggestion_or_its_meaning_here_on_one_line(tmp_path
     r = run_cli("train", "--config", y)
     assert r.returncode == 2 and r.stderr.startswith(f"tunesmith train: error: {y}: {message}"), r.stderr
     assert r.stderr.count("\n") == 1
+
+
+def test_fit_reads_a_lora_parameters_block_for_what_moves_memory(tmp_path):
+    y = tmp_path / "mlx.yaml"
+    y.write_text("lora_parameters: {rank: 16, scale: 20.0, keys: [self_attn.q_proj]}\n")
+    cfg = C.build_config(C.FitConfig, y)
+    assert (cfg.lora_rank, cfg.lora_targets) == (16, ["self_attn.q_proj"])

@@ -740,6 +740,8 @@ def _yaml_values(cls: type, known: dict[str, dataclasses.Field], yaml_path: str 
     if "lora_rank" in known:
         pairs = [kv for key, v in pairs for kv in (_lora_parameters(v, str(yaml_path)) if key == "lora_parameters"
                                                      else [(key, v)])]
+        # fit plans memory, which the scale does not move: a training config's block is read there without it
+        pairs = [(key, v) for key, v in pairs if key != "lora_parameters.scale" or "lora_alpha" in known]
     canonical = {name: f.name for f in known.values() for name in names_of(f)}
     canonical.update({f"lora_parameters.{k}": n for k, n in LORA_PARAMETERS.items() if n in known})
     for key, v in pairs:
