@@ -9,6 +9,8 @@ import pytest
 from tunesmith import config as C
 from tunesmith.cli import VERBS, build_parser, main
 
+from .cli_process import run_cli
+
 BAD_VALUES = [
     ("train", "--lr", "-1", "--lr must be > 0, got -1"),
     ("train", "--lr", "0", "--lr must be > 0, got 0"),
@@ -243,3 +245,37 @@ def test_a_model_that_is_not_there_is_one_line_not_a_plan_warning_and_then_the_e
     assert capsys.readouterr().err.splitlines() == [f"tunesmith train: error: model '{tmp_path / 'no-model'}' not "
                                                     "found: no such folder or file, and not a built-in alias "
                                                     "(smollm2-135m-instruct, gemma3-270m) or a hub id (owner/name)"]
+
+
+# ---- through a child process, as a user meets them ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gradient-acumulation-steps", "2"], "unknown flag --gradient-acumulation-steps (did you mean "
+                                            "--gradient-accumulation-steps?)"),
+    (["--save-steps", "5"], "--save-steps is Hugging Face's; here it is --checkpoint-every (mlx-lm's --save-every)"),
+    (["--eval-steps", "5"], "--eval-steps is Hugging Face's; here it is --eval-every"),
+    (["--steps-per-report", "5"], "--steps-per-report is mlx-lm's; tunesmith reports every step"),
+    (["--mask-prompts"], "unknown flag --mask-prompts (did you mean --mask-prompt?)"),
+    (["--mask-prompt=false"], "--mask-prompt takes no value: the loss is always on the completion"),
+])
+def test_other_tools_names_point_at_the_flag_that_means_the_same(argv, message):
+    """A look-alike of another meaning is never suggested: --save-steps is not --max-steps."""
+    r = run_cli("train", *argv)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(f"tunesmith train: error: {message}") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_help_names_the_aliases_the_accepted_mlx_lm_flags_and_keras():
+    train = run_cli("train", "--help")
+    assert train.returncode == 0
+    text = " ".join(train.stdout.split())  # argparse wraps lines
+    for alias in ("--save-every", "--steps-per-eval", "--gradient-accumulation-steps", "--grad-accumulation-steps",
+                  "--num-train-epochs", "--grad-checkpoint"):
+        assert alias in text, alias
+    assert "mlx-lm's --train and --mask-prompt are accepted and change nothing" in text
+    assert "loss is always on the completion (Alpaca: the output) or the assistant's turns only" in text
+    export = run_cli("export", "--help")
+    assert "ExecuTorch .pte, GGUF, Ollama, MLX, Core ML or a Keras 3 preset" in " ".join(export.stdout.split())
+    top = run_cli("--help")
+    assert "Keras 3 preset" in " ".join(top.stdout.split())

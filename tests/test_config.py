@@ -1,10 +1,14 @@
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tunesmith import config as C
 from tunesmith.cli import VERBS, build_parser, main
 from tunesmith.errors import TunesmithError
+
+from .cli_process import run_cli
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
@@ -37,7 +41,8 @@ def test_cli_flags_override_yaml(tmp_path):
     ("max_steps: 2.5\n", "'max_steps' must be an integer, got 2.5"),
     ("lora_dropout: 1\n", "'lora_dropout' must be in [0, 1), got 1"),
     ("iters: 5\nmax_steps: 6\n", "'iters' and 'max_steps' are the same option"),
-    ("nonsense_option: 1\n", "unknown option(s) nonsense_option"),
+    ("nonsense_option: 1\n", "unknown option 'nonsense_option'; the command's --help lists its options"),
+    ("lora_rnak: 4\n", "unknown option 'lora_rnak' (did you mean lora_rank?)"),
     ("- a\n- b\n", "must be a mapping"),
     ("lr: [1, 2\n", "not valid YAML"),
     ("precision: fp8\n", "'precision' must be one of"),
@@ -103,3 +108,77 @@ def test_every_shipped_config_loads(path):
 
 def test_there_are_shipped_configs():
     assert len(CONFIGS) >= 2
+
+
+# ---- mlx-lm's and Hugging Face's names, through a child process -------------------------------------------------
+
+MLX_LM_CONFIG = """\
+train: true
+mask_prompt: true
+iters: 2
+learning_rate: 1e-2
+max_seq_length: 32
+batch_size: 2
+lora_parameters:
+  keys: ["self_attn.q_proj", "self_attn.v_proj"]
+  rank: 4
+  scale: 20.0
+  dropout: 0.0
+"""
+
+
+def test_an_mlx_lm_config_and_hf_flags_train_as_what_they_mean(tmp_path, tiny_dir, text_file):
+    """mlx-lm's scale is the adapter's multiplier, PEFT's alpha / rank: scale 20 at rank 4 is alpha 80."""
+    y = tmp_path / "lora_config.yaml"
+    y.write_text(MLX_LM_CONFIG)
+    run = tmp_path / "adapters"
+    r = run_cli("train", "--config", y, "--model", tiny_dir, "--data", text_file, "--device", "cpu",
+                "--adapter-path", run, "--train", "--mask-prompt", "--gradient-accumulation-steps", "2",
+                "--save-every", "1", "--steps-per-eval", "2", "--num-train-epochs", "3", "--grad-checkpoint",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert {k: saved[k] for k in ("max_steps", "lr", "seq_len", "lora_rank", "lora_alpha", "lora_dropout",
+                                  "lora_targets", "grad_accum", "checkpoint_every", "eval_every", "epochs",
+                                  "gradient_checkpointing")} == {
+        "max_steps": 2, "lr": 1e-2, "seq_len": 32, "lora_rank": 4, "lora_alpha": 80.0, "lora_dropout": 0.0,
+        "lora_targets": ["self_attn.q_proj", "self_attn.v_proj"], "grad_accum": 2, "checkpoint_every": 1,
+        "eval_every": 2, "epochs": 3.0, "gradient_checkpointing": True}
+    adapter = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 80.0)
+    assert set(adapter["target_modules"]) == {"self_attn.q_proj", "self_attn.v_proj"}
+
+
+def test_lora_parameters_scale_follows_the_rank_the_command_line_gives(tmp_path):
+    y = tmp_path / "mlx.yaml"
+    y.write_text("lora_parameters: {rank: 8, scale: 20.0}\n")
+    assert C.build_config(C.TrainConfig, y).lora_alpha == 160.0
+    assert C.build_config(C.TrainConfig, y, {"lora_rank": 16}).lora_alpha == 320.0  # still scale 20
+    assert C.build_config(C.TrainConfig, y, {"lora_alpha": 8.0}).lora_alpha == 8.0  # --lora-alpha wins
+
+
+@pytest.mark.parametrize("text,message", [
+    ("lora_rnak: 4\n", "unknown option 'lora_rnak' (did you mean lora_rank?)\n"),
+    ("lr: 1e-3\nmask_prompt: false\n", "'mask_prompt' must be true (or left out): the loss is always on the "
+                                       "completion"),
+    ("train: false\n", "'train' must be true (or left out): tunesmith train always trains; to score a model "
+                       "without training it, run tunesmith eval\n"),
+    ("lora_parameters: {rank: 8, alpha: 16}\n", "lora_parameters.alpha is ambiguous: mlx-lm now ignores it"),
+    ("lora_parameters: {rank: 8, scael: 20}\n", "unknown key 'scael' in lora_parameters; it takes rank, scale, "
+                                                 "dropout and keys\n"),
+    ("lora_rank: 4\nlora_parameters: {rank: 8}\n", "'lora_rank' and 'lora_parameters.rank' are the same option"),
+    ("steps_per_report: 10\n", "--steps-per-report is mlx-lm's; tunesmith reports every step"),
+])
+def test_a_yaml_key_gets_one_suggestion_or_its_meaning_here_on_one_line(tmp_path, text, message):
+    y = tmp_path / "run.yaml"
+    y.write_text(text)
+    r = run_cli("train", "--config", y)
+    assert r.returncode == 2 and r.stderr.startswith(f"tunesmith train: error: {y}: {message}"), r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_fit_reads_a_lora_parameters_block_for_what_moves_memory(tmp_path):
+    y = tmp_path / "mlx.yaml"
+    y.write_text("lora_parameters: {rank: 16, scale: 20.0, keys: [self_attn.q_proj]}\n")
+    cfg = C.build_config(C.FitConfig, y)
+    assert (cfg.lora_rank, cfg.lora_targets) == (16, ["self_attn.q_proj"])

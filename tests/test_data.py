@@ -7,7 +7,8 @@ from tunesmith import data as D
 from tunesmith.cli import main
 from tunesmith.errors import TunesmithError
 
-from .conftest import SHARED_DATA
+from .cli_process import run_cli
+from .conftest import CORPUS, SHARED_DATA
 
 
 def write_jsonl(path: Path, records) -> Path:
@@ -51,6 +52,80 @@ def test_chat_loss_is_on_assistant_turns_only(tmp_path, tokenizer):
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(msgs, tokenize=False)
     learned = tokenizer.decode([t for t in labels if t != D.IGNORE])
     assert learned == "Romeo<|im_end|>\nJuliet<|im_end|>\n"
+
+
+ALPACA = [{"instruction": "Greet the speaker", "input": "ROMEO", "output": "Good morrow, Romeo"},
+          {"instruction": "Name a play", "input": "", "output": "Hamlet", "system": "Answer briefly."}]
+SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hello"},
+                              {"from": "gpt", "value": "Romeo"}, {"from": "Human", "value": "again"},
+                              {"from": "bot", "value": "Juliet"}]}
+
+
+def _learned(tokenizer, labels) -> str:
+    return tokenizer.decode([t for t in labels if t != D.IGNORE])
+
+
+def test_alpaca_is_the_users_turn_and_the_output_is_learned(tmp_path, tokenizer):
+    """instruction (+ input after a blank line) is the user's turn, through the chat template; loss on the output."""
+    d = D.load_data(str(write_jsonl(tmp_path / "alpaca.jsonl", ALPACA)), tokenizer, seq_len=256, val_fraction=0.0)
+    (ids, labels), (ids2, labels2) = d.train
+    chat = [{"role": "user", "content": "Greet the speaker\n\nROMEO"}, {"role": "assistant", "content": "Good morrow, Romeo"}]
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(chat, tokenize=False)
+    assert _learned(tokenizer, labels) == "Good morrow, Romeo<|im_end|>\n"
+    chat2 = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a play"},
+             {"role": "assistant", "content": "Hamlet"}]
+    assert tokenizer.decode(ids2) == tokenizer.apply_chat_template(chat2, tokenize=False)  # no blank input line
+    assert _learned(tokenizer, labels2) == "Hamlet<|im_end|>\n"
+
+
+def test_sharegpt_roles_map_to_the_templates_and_the_loss_is_on_the_assistant_turns(tmp_path, tokenizer):
+    """human -> user and gpt, bot -> assistant (any case): the same tokens and labels as the 'messages' record."""
+    sharegpt = D.load_data(str(write_jsonl(tmp_path / "s.jsonl", [SHAREGPT])), tokenizer, 256, 0.0)
+    roles = {"system": "system", "human": "user", "gpt": "assistant", "bot": "assistant"}
+    messages = [{"role": roles[t["from"].lower()], "content": t["value"]} for t in SHAREGPT["conversations"]]
+    plain = D.load_data(str(write_jsonl(tmp_path / "m.jsonl", [{"messages": messages}])), tokenizer, 256, 0.0)
+    assert sharegpt.train == plain.train
+    assert _learned(tokenizer, sharegpt.train[0][1]) == "Romeo<|im_end|>\nJuliet<|im_end|>\n"
+
+
+def test_md_and_extensionless_files_stay_text(tmp_path, tokenizer):
+    for name in ("notes.md", "notes", "NOTES.TXT"):
+        (tmp_path / name).write_text(CORPUS, encoding="utf-8")
+        d = D.load_data(str(tmp_path / name), tokenizer, seq_len=16)
+        assert d.train and d.train[0][0] == d.train[0][1]  # packed blocks, every token learned
+
+
+def test_alpaca_and_sharegpt_train_through_the_cli_and_a_dropped_record_says_why(tmp_path, tiny_dir):
+    no_reply = {"conversations": [{"from": "human", "value": "anyone there?"}]}
+    for name, records, where in (("alpaca.jsonl", ALPACA * 3, ""),
+                                 ("sharegpt.jsonl", [SHAREGPT, no_reply, SHAREGPT, SHAREGPT], "2: no assistant turn")):
+        data = write_jsonl(tmp_path / name, records)
+        r = run_cli("train", "--model", tiny_dir, "--data", data, "--output", tmp_path / name.split(".")[0],
+                    "--device", "cpu", "--seq-len", "64", "--max-steps", "1", "--eval-every", "0", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert f"data {data}: {len(records)} records -> " in r.stdout
+        if where:
+            assert f"1 dropped: no supervised tokens ({data}:{where})" in r.stdout
+
+
+@pytest.mark.parametrize("name,raw,message", [
+    ("roles.jsonl", json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "wizard", "value": "x"}]}),
+     "{f}:1: conversations[1].from is 'wizard', a role tunesmith does not know (it learns "
+     "the assistant's turns and reads the rest as prompt): use user or human; assistant, gpt or bot; system; tool"),
+    ("chats.jsonl", "\n".join([json.dumps({"conversations": [{"from": "human", "value": "hi"}]})] * 2),
+     "{f}:1: no assistant turn; no record of chats.jsonl has a token to learn: the loss is taken on 'text', on the "
+     "completion ('completion', Alpaca's 'output') or on assistant turns only"),
+    ("table.csv", "instruction,output\nhi,hello\n", "{f}: tunesmith does not read .csv files; it reads plain text "
+     "(.txt, .md or no extension), JSON Lines (.jsonl: text, prompt/completion, messages, Alpaca or ShareGPT "
+     "records) or a folder with train.jsonl: convert it to JSON Lines"),
+])
+def test_data_a_user_gets_wrong_is_one_line_with_the_reason_through_the_cli(name, raw, message, tmp_path, tiny_dir):
+    data = tmp_path / name
+    data.write_text(raw + "\n", encoding="utf-8")
+    r = run_cli("train", "--model", tiny_dir, "--data", data, "--output", tmp_path / "run", "--device", "cpu",
+                "--seq-len", "64", "--max-steps", "1", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith(f"tunesmith train: error: {message.format(f=data)}"), r.stderr
+    assert r.stderr.count("\n") == 1
 
 
 def test_text_records_and_folder_layout(tmp_path, tokenizer):

@@ -56,8 +56,8 @@ MALFORMED = [
     ("null-line.jsonl", _lines("null"), "{f}:1: each line must be a JSON object, got null"),
     ("bool-line.jsonl", _lines("true"), "{f}:1: each line must be a JSON object, got true/false"),
     ("nested-too-deep.jsonl", _lines("[" * 100_000 + "]" * 100_000), "{f}:1: JSON nested too deeply to be a record"),
-    ("no-known-keys.jsonl", _lines('{"body": "x", "id": 1}'), "{f}:1: record has none of the keys 'text', 'prompt'+'completion' or 'messages' (it has: body, id)"),
-    ("empty-object.jsonl", _lines(OK, "{}"), "{f}:2: record has none of the keys 'text', 'prompt'+'completion' or 'messages' (it has: nothing)"),
+    ("no-known-keys.jsonl", _lines('{"body": "x", "id": 1}'), "{f}:1: record has none of the keys 'text', 'prompt'+'completion', 'messages', 'instruction'+'output' (Alpaca) or 'conversations' (ShareGPT) (it has: body, id)"),
+    ("empty-object.jsonl", _lines(OK, "{}"), "{f}:2: record has none of the keys 'text', 'prompt'+'completion', 'messages', 'instruction'+'output' (Alpaca) or 'conversations' (ShareGPT) (it has: nothing)"),
     ("two-formats-in-one.jsonl", _lines('{"text": "a", "messages": []}'), "{f}:1: record has keys of more than one format (text, messages)"),
     ("formats-mixed.jsonl", _lines(OK, '{"prompt": "q", "completion": "a"}'), "{f}:2: record is 'completion' but the file's first is 'text'"),
     ("prompt-only.jsonl", _lines('{"prompt": "a", "completion": "b"}', '{"prompt": "a", "completion": "b"}', '{"prompt": "only"}'), "{f}:3: missing key 'completion'"),
@@ -75,9 +75,23 @@ MALFORMED = [
     ("role-number.jsonl", _lines(_chat({"role": 1, "content": "x"})), "{f}:1: messages[0] must be an object with string 'role'"),
     ("lone-surrogate.jsonl", _lines(OK, '{"text": "bad \\ud800 escape"}'), "{f}:2: 'text' holds an invalid Unicode escape (lone surrogate \\ud800)"),
     ("lone-surrogate-chat.jsonl", _lines(_chat(USER).replace(']}', ', {"role": "assistant", "content": "\\udfff"}]}')), "{f}:1: messages[1].content holds an invalid Unicode escape (lone surrogate \\udfff)"),
+    ("sharegpt-unknown-role.jsonl", _lines(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "wizard", "value": "x"}]})), "{f}:1: conversations[1].from is 'wizard', a role tunesmith does not know (it learns the assistant's turns and reads the rest as prompt): use user or human; assistant, gpt or bot; system; tool"),
+    ("message-unknown-role.jsonl", _lines(_chat(USER, ASSISTANT), _chat(USER, {"role": "narrator", "content": "x"})), "{f}:2: messages[1].role is 'narrator', a role tunesmith does not know"),
+    ("sharegpt-role-content.jsonl", _lines(json.dumps({"conversations": [USER, ASSISTANT]})), "{f}:1: conversations[0] must be an object with string 'from' and 'value'; turns with 'role' and 'content' go under 'messages'"),
+    ("messages-from-value.jsonl", _lines(_chat({"from": "human", "value": "hi"})), "{f}:1: messages[0] must be an object with string 'role' and 'content'; turns with 'from' and 'value' go under 'conversations'"),
+    ("sharegpt-empty.jsonl", _lines('{"conversations": []}'), "{f}:1: 'conversations' is empty"),
+    ("sharegpt-no-assistant.jsonl", _lines(json.dumps({"conversations": [{"from": "human", "value": "hi"}]})), "{f}:1: no assistant turn; no record of sharegpt-no-assistant.jsonl has a token to learn"),
+    ("alpaca-no-output.jsonl", _lines('{"instruction": "say hi", "input": ""}'), "{f}:1: missing key 'output'"),
+    ("alpaca-output-number.jsonl", _lines('{"instruction": "add", "output": 2}'), "{f}:1: 'output' must be a str, got int"),
+    ("alpaca-and-text.jsonl", _lines('{"instruction": "a", "output": "b", "text": "c"}'), "{f}:1: record has keys of more than one format (text, instruction, output)"),
+    ("completion-empty.jsonl", _lines('{"prompt": "", "completion": ""}'), "{f}:1: empty 'completion'; no record of completion-empty.jsonl has a token to learn"),
+    ("table.csv", b"prompt,completion\nhi,hello\n", "{f}: tunesmith does not read .csv files; it reads plain text (.txt, .md or no extension), JSON Lines (.jsonl: text, prompt/completion, messages, Alpaca or ShareGPT records) or a folder with train.jsonl: convert it to JSON Lines, e.g. with pandas: pd.read_csv('table.csv').to_json('table.jsonl', orient='records', lines=True)"),
+    ("table.tsv", b"prompt\tcompletion\nhi\thello\n", "{f}: tunesmith does not read .tsv files"),
+    ("table.parquet", b"PAR1" + bytes(20), "{f}: tunesmith does not read .parquet files"),
+    ("notes.dat", b"plain words\n", "{f}: tunesmith does not read .dat files; it reads plain text (.txt, .md or no extension), JSON Lines (.jsonl: text, prompt/completion, messages, Alpaca or ShareGPT records) or a folder with train.jsonl: rename it .txt if it is plain text, or convert it to JSON Lines"),
     ("huge-line.jsonl", _lines('{"text": "' + "x" * (D.MAX_RECORD_CHARS + 1) + '"}'), "{f}:1: every line is longer than 8 MiB, too long to be one record"),
-    ("no-assistant-turn.jsonl", _lines(_chat(USER), _chat(USER)), "{f}:1: no record has a token to learn: empty 'text' or 'completion', or 'messages' without an assistant turn"),
-    ("empty-texts.jsonl", _lines('{"text": ""}', '{"text": ""}'), "{f}:1: no record has a token to learn"),
+    ("no-assistant-turn.jsonl", _lines(_chat(USER), _chat(USER)), "{f}:1: no assistant turn; no record of no-assistant-turn.jsonl has a token to learn: the loss is taken on 'text', on the completion ('completion', Alpaca's 'output') or on assistant turns only"),
+    ("empty-texts.jsonl", _lines('{"text": ""}', '{"text": ""}'), "{f}:1: empty 'text'; no record of empty-texts.jsonl has a token to learn"),
     ("completion-past-cut.jsonl", _lines(json.dumps({"prompt": "word " * 50, "completion": "end"})), "{f}: zero trainable tokens after truncation to --seq-len 32: every record's supervised part (completion / assistant turns) falls past the cut (first: {f}:1)"),
     ("bom-then-bad-line.jsonl", b"\xef\xbb\xbf" + _lines(OK, '{"text": 7}'), "{f}:2: 'text' must be a str, got int"),
     ("crlf-then-bad-line.jsonl", _lines(OK, OK, '{"text": 7}').replace(b"\n", b"\r\n"), "{f}:3: 'text' must be a str, got int"),
@@ -159,7 +173,7 @@ def test_dirty_data_loads_with_every_cut_and_drop_counted_and_located(dirty_fold
                        "dropped_too_long_line": 1, "valid_records": 2, "valid_truncated": 0,
                        "valid_dropped_past_seq_len": 1, "valid_no_supervised_tokens": 0,
                        "valid_dropped_too_long_line": 0}
-    assert d.where == {"truncated": [f"{train}:3"], "no_supervised_tokens": [f"{train}:6"],
+    assert d.where == {"truncated": [f"{train}:3"], "no_supervised_tokens": [f"{train}:6: empty 'text'"],
                        "dropped_too_long_line": [f"{train}:8"], "dropped_past_seq_len": [f"{valid}:1"]}
     texts = [tokenizer.decode(ids) for ids, _ in d.train]
     assert texts[0] == "ROMEO: But soft, what light<|im_end|>"  # the BOM is gone
@@ -176,4 +190,4 @@ def test_the_train_output_reports_the_counts(dirty_folder, tiny_dir, tmp_path, c
     assert code == 0
     assert (f"data {dirty_folder}: 9 records -> 5 training, 1 held out; 1 truncated to --seq-len ({train}:3); "
             f"1 dropped: every supervised token past --seq-len ({valid}:1); 1 dropped: no supervised tokens "
-            f"({train}:6); 1 dropped: line over 8 MiB ({train}:8)") in out
+            f"({train}:6: empty 'text'); 1 dropped: line over 8 MiB ({train}:8)") in out

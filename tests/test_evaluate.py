@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from tests.cli_process import run_cli
 from tests.conftest import CORPUS
 from tunesmith.cli import main
 from tunesmith.config import EvalConfig
@@ -18,10 +19,17 @@ def _cfg(tiny_dir, data, **kw):
     return EvalConfig(model=str(tiny_dir), data=str(data), seq_len=32, device="cpu", **kw)
 
 
-def test_eval_says_what_it_scored(tiny_dir, text_file, capsys):
-    assert main(["eval", "--model", str(tiny_dir), "--data", str(text_file), "--seq-len", "32", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    assert re.search(rf"scored {re.escape(str(text_file))}, valid split: [1-9]\d* blocks, \d+ tokens\n", out)
+def test_eval_says_what_it_scored_and_labels_each_count(tiny_dir, text_file):
+    """The tokens read and the tokens the loss is a mean over differ (an example's first token is never predicted):
+    each count says which it is."""
+    r = run_cli("eval", "--model", tiny_dir, "--data", text_file, "--seq-len", "32", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    read = re.search(rf"scored {re.escape(str(text_file))}, valid split: ([1-9]\d*) blocks, (\d+) tokens\n", r.stdout)
+    scored = re.search(r"loss [\d.]+  perplexity [\d.]+  over (\d+) predicted tokens \(each supervised token but "
+                       r"an example's first\)\n", r.stdout)
+    assert read and scored, r.stdout
+    assert int(scored[1]) == int(read[2]) - int(read[1])  # blocks: every token supervised, less one per block
+    assert source_label("shakespeare") == "the built-in 'shakespeare' data"  # the default, named as such
     assert source_label("shakespeare") == "the built-in 'shakespeare' data"  # the default, named as such
 
 

@@ -30,12 +30,16 @@ class _Parser(argparse.ArgumentParser):
             namespace, extra = super().parse_known_args(args, namespace)
         except TunesmithError as e:  # raised by a field's parse_value: --lr must be > 0, got -1
             self.error(str(e))
+        always = [C.flag(name) for name in getattr(self, "always", ())]  # mlx-lm's --train, --mask-prompt
+        extra = [a for a in extra if a not in always]
         if extra and self.prog != "tunesmith":  # a verb's parser: name what it does not know, here
             word = extra[0].split("=", 1)[0]
             if word.startswith("-") and C.removed(word):
                 self.error(C.removed(word))
+            if word in always:
+                self.error(f"{word} takes no value: {C.ALWAYS[word[2:].replace('-', '_')]}")
             if word.startswith("-"):
-                self.error(f"unknown flag {word}{_nearest(word, self._option_string_actions)}; "
+                self.error(f"unknown flag {word}{_nearest(word, [*self._option_string_actions, *always])}; "
                            f"`{self.prog} --help` lists them")
             self.error(f"unexpected argument {word!r}; `{self.prog} --help` lists what it takes")
         return namespace, extra
@@ -102,8 +106,9 @@ def _eval(cfg):
     from tunesmith.evaluate import evaluate_from_config
 
     r = evaluate_from_config(cfg)
-    print(f"scored {r.scored}")
-    print(f"loss {r.loss:.4f}  perplexity {r.perplexity:.2f}  ({r.tokens} tokens)")
+    print(f"scored {r.scored}")  # ... N blocks (or records), T tokens: what was read
+    print(f"loss {r.loss:.4f}  perplexity {r.perplexity:.2f}  over {r.tokens} predicted tokens (each supervised "
+          "token but an example's first)")
 
 
 def _merge(cfg):
@@ -200,7 +205,8 @@ VERBS: dict[str, tuple[type, typing.Callable, str]] = {
     "fit": (C.FitConfig, _fit, "will it fit? predict training peak memory by part from the model's config alone"),
     "parity": (C.ParityConfig, _parity, "check that the device's logits and greedy output match the CPU's"),
     "quantize": (C.QuantizeConfig, _quantize, "int8 / int4 weight-only copy of a model for eager inference, vs float"),
-    "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, Ollama, MLX or Core ML (or an adapter alone)"),
+    "export": (C.ExportConfig, _export, "write an on-device artifact: ExecuTorch .pte, GGUF, Ollama, MLX, Core ML or a "
+               "Keras 3 preset (or an adapter alone)"),
     "run": (C.RunConfig, _run, "generate from an exported .pte (ExecuTorch runtime) or .gguf, streaming, with tokens/s"),
     "compare": (C.CompareConfig, _compare, "the quality ladder: base, LoRA, merged, int8, int4, each .pte and .gguf on the same text"),
     "serve": (C.ServeConfig, _serve, "an OpenAI-compatible HTTP server for a model and its adapters (needs "
@@ -214,7 +220,11 @@ TRAINING_EXITS = (
     "exit codes: 0 done; 2 a problem to fix (the message says how); 130 stopped by Ctrl-C (SIGINT) or 143 by SIGTERM, "
     "each after finishing the current step and saving a checkpoint: run the same command with --resume to continue"
 )
-EPILOGS = {"train": TRAINING_EXITS, "demo": TRAINING_EXITS}
+MLX_LM_FLAGS = (
+    "mlx-lm's --train and --mask-prompt are accepted and change nothing: train always trains, and the loss is always "
+    "on the completion (Alpaca: the output) or the assistant's turns only, never on the prompt"
+)
+EPILOGS = {"train": f"{TRAINING_EXITS}. {MLX_LM_FLAGS}", "demo": TRAINING_EXITS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (cls, _, help_text) in VERBS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOGS.get(name))
         p.add_argument("--config", metavar="YAML", help="YAML file of options; flags given here override it")
+        p.always = cls.always  # accepted without an option of their own: the epilog says what they mean
         _add_fields(p, cls)
     return parser
 

@@ -10,6 +10,7 @@ the file is read, and a config built in Python when it is constructed (`Config._
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -43,11 +44,35 @@ REMOVED = {
 }
 
 
+# Other tools' names for what tunesmith does another way or not at all: given as a flag or a YAML key, each is one
+# error that says what to do here, instead of a look-alike flag that means something else (--save-steps is not
+# --max-steps). Names that mean what a tunesmith option means are that option's aliases instead.
+ELSEWHERE = {
+    "steps_per_report": "mlx-lm's; tunesmith reports every step (metrics.jsonl and the progress line): drop it",
+    "logging_steps": "Hugging Face's; tunesmith reports every step (metrics.jsonl and the progress line): drop it",
+    **dict.fromkeys(("test", "test_batches"), "mlx-lm's; to score test data after training, run tunesmith eval "
+                    "--adapter <run folder> --data <test data> (--max-batches bounds it)"),
+    "save_steps": "Hugging Face's; here it is --checkpoint-every (mlx-lm's --save-every)",
+    "eval_steps": "Hugging Face's; here it is --eval-every (mlx-lm's --steps-per-eval)",
+    "warmup_ratio": "Hugging Face's; give --warmup-steps, a number of optimizer steps",
+}
+# mlx-lm's settings that name what `tunesmith train` always does: accepted, as a flag or as a YAML key set to true,
+# so that an mlx-lm command or config runs unchanged; set to false, each is refused with what to do instead.
+ALWAYS = {
+    "train": "tunesmith train always trains; to score a model without training it, run tunesmith eval",
+    "mask_prompt": "the loss is always on the completion (Alpaca: the output) or the assistant's turns only; to "
+                   "learn a whole record, prompt included, give it as {\"text\": ...}",
+}
+
+
 def removed(name: str) -> str | None:
-    """The error for a flag or YAML key that was removed (--no-fused-loss too), or None."""
+    """The error for a flag or YAML key that was removed (--no-fused-loss too) or is another tool's name for what
+    tunesmith does another way (ELSEWHERE), or None."""
     key = name.lstrip("-").replace("-", "_")
-    if key not in REMOVED and key.startswith("no_"):
+    if key not in REMOVED and key not in ELSEWHERE and key.startswith("no_"):
         key = key[3:]
+    if key in ELSEWHERE:
+        return f"{flag(key)} is {ELSEWHERE[key]}"
     if key not in REMOVED:
         return None
     return f"{flag(key)} was removed: {REMOVED[key]}"
@@ -190,6 +215,8 @@ def named_adapters_value(value: str | list[str] | dict[str, str]) -> list[str]:
 class Config:
     """What every stage config shares: its values are checked when it is built, however it is built."""
 
+    always: typing.ClassVar[tuple[str, ...]] = ()  # ALWAYS names this stage accepts
+
     def __post_init__(self) -> None:
         check_values(type(self), **{f.name: getattr(self, f.name) for f in fields_of(type(self))})
         self.check()
@@ -218,7 +245,9 @@ class ModelConfig(Config):
 
 @dataclass
 class DataConfig(Config):
-    data: str = opt(DEFAULT_DATA, "data: .txt, .jsonl, a folder with train.jsonl/valid.jsonl, or shakespeare / tinyshakespeare")
+    data: str = opt(DEFAULT_DATA, "data: plain text (.txt, .md or no extension), .jsonl (text, prompt/completion, "
+                    "messages, Alpaca or ShareGPT records), a folder with train.jsonl/valid.jsonl, or shakespeare / "
+                    "tinyshakespeare")
     seq_len: int = opt(256, "tokens per training example (longer records are truncated)", bounds=Bounds(2),
                        aliases=("max_seq_length",))
     val_fraction: float = opt(0.05, "fraction of the data held out for validation when no valid.jsonl exists",
@@ -227,14 +256,18 @@ class DataConfig(Config):
 
 @dataclass
 class TrainConfig(DataConfig, ModelConfig):
+    always: typing.ClassVar[tuple[str, ...]] = ("train", "mask_prompt")
+
     output: str = opt("runs/train", "run folder: adapter, metrics.jsonl and the resolved config land here",
                       aliases=("adapter_path",))
     max_steps: int | None = opt(None, "stop after this many optimizer steps (overrides --epochs)", bounds=AT_LEAST_1,
                                 aliases=("iters",))
-    epochs: float = opt(1.0, "passes over the training data when --max-steps is not given", bounds=POSITIVE)
+    epochs: float = opt(1.0, "passes over the training data when --max-steps is not given", bounds=POSITIVE,
+                        aliases=("num_train_epochs",))
     batch_size: int | str = opt(4, "micro-batch size, or 'auto' to take the largest that the fit planner says fits",
                                 type=batch_size_value, bounds=AT_LEAST_1)
-    grad_accum: int = opt(1, "micro-batches per optimizer step (effective batch = batch-size x grad-accum)", bounds=AT_LEAST_1)
+    grad_accum: int = opt(1, "micro-batches per optimizer step (effective batch = batch-size x grad-accum)", bounds=AT_LEAST_1,
+                          aliases=("gradient_accumulation_steps", "grad_accumulation_steps"))
     lr: float = opt(2e-4, "peak learning rate (AdamW)", bounds=POSITIVE, aliases=("learning_rate",))
     warmup_steps: int = opt(10, "linear warm-up steps before the cosine decay", bounds=COUNT)
     weight_decay: float = opt(0.0, "AdamW weight decay", bounds=COUNT)
@@ -260,9 +293,11 @@ class TrainConfig(DataConfig, ModelConfig):
                           bounds=Bounds(-1))
     optimizer: str = opt("adamw", "adamw, or adamw8bit (torchao's AdamW with 8-bit moments: a quarter of its "
                          "memory; needs tunesmith[qlora])", choices=["adamw", "adamw8bit"])
-    eval_every: int = opt(50, "evaluate on the validation split every N steps (0: only at the end)", bounds=COUNT)
+    eval_every: int = opt(50, "evaluate on the validation split every N steps (0: only at the end)", bounds=COUNT,
+                          aliases=("steps_per_eval",))
     eval_batches: int = opt(0, "validation batches per evaluation (0: the whole split)", bounds=COUNT)
-    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory",
+                                       aliases=("grad_checkpoint",))
     fast_paths: str = opt("auto", "auto: the fast paths that apply to this model and device (a fused loss, fused "
                           "LoRA and q/k/v, Liger's and tunesmith's Triton kernels on CUDA, compiled layers, packed "
                           "records, cheap activations recomputed; docs/PERFORMANCE.md); off: the plain "
@@ -277,7 +312,7 @@ class TrainConfig(DataConfig, ModelConfig):
         bounds=COUNT,
     )
     checkpoint_every: int = opt(50, "save a resumable checkpoint every N optimizer steps, and at the end (0: only at the end)",
-                                bounds=COUNT)
+                                bounds=COUNT, aliases=("save_every",))
     resume: bool | str = opt(
         False, "continue from the newest complete checkpoint in --output, or from the checkpoint folder PATH",
         type=resume_value, nargs="?", const=True, metavar="PATH",
@@ -667,32 +702,82 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in loaded.items()}
 
 
+# mlx-lm's `lora_parameters:` block (YAML only), key by key. Its scale multiplies the adapter's product as PEFT's
+# alpha / rank does, so it becomes lora_alpha = scale x the run's rank, once the rank is known.
+LORA_PARAMETERS = {"rank": "lora_rank", "dropout": "lora_dropout", "keys": "lora_targets", "scale": "lora_alpha"}
+
+
+def _lora_parameters(block: Any, where: str) -> list[tuple[str, Any]]:
+    """mlx-lm's lora_parameters as (key, value) pairs named lora_parameters.<key>, checked for keys it lacks."""
+    if not isinstance(block, dict):
+        raise TunesmithError(f"{where}: 'lora_parameters' must be a mapping of rank, scale, dropout and keys")
+    for key in block:
+        if key == "alpha":
+            raise TunesmithError(f"{where}: lora_parameters.alpha is ambiguous: mlx-lm now ignores it (scale alone "
+                                 "is the multiplier, PEFT's alpha / rank) and older mlx-lm multiplied scale by alpha "
+                                 "/ rank; give scale alone, or lora_alpha (PEFT's alpha) instead")
+        if key not in LORA_PARAMETERS:
+            raise TunesmithError(f"{where}: unknown key '{key}' in lora_parameters; it takes rank, scale, dropout "
+                                 "and keys")
+    return [(f"lora_parameters.{k}", v) for k, v in block.items()]
+
+
+def _unknown_options(keys: list[str], names: list[str]) -> str:
+    """'unknown option 'lora_rnak' (did you mean lora_rank?)': each key with its nearest known name, if any."""
+    parts, lost = [], False
+    for key in keys:
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+        parts.append(f"'{key}'" + (f" (did you mean {close[0]}?)" if close else ""))
+        lost = lost or not close
+    more = "; the command's --help lists its options (a key is a flag's name: lora_rank for --lora-rank)" if lost else ""
+    return f"unknown option{'s' if len(keys) > 1 else ''} {', '.join(parts)}{more}"
+
+
+def _yaml_values(cls: type, known: dict[str, dataclasses.Field], yaml_path: str | Path) -> tuple[dict[str, Any], Any]:
+    """The YAML file's values, by field name, checked; and mlx-lm's lora_parameters scale, if given (not yet an
+    alpha: that needs the final rank)."""
+    pairs = list(read_yaml(yaml_path).items())
+    if "lora_rank" in known:
+        pairs = [kv for key, v in pairs for kv in (_lora_parameters(v, str(yaml_path)) if key == "lora_parameters"
+                                                     else [(key, v)])]
+        # fit plans memory, which the scale does not move: a training config's block is read there without it
+        pairs = [(key, v) for key, v in pairs if key != "lora_parameters.scale" or "lora_alpha" in known]
+    canonical = {name: f.name for f in known.values() for name in names_of(f)}
+    canonical.update({f"lora_parameters.{k}": n for k, n in LORA_PARAMETERS.items() if n in known})
+    for key, v in pairs:
+        if key in cls.always and v is not True:
+            raise TunesmithError(f"{yaml_path}: '{key}' must be true (or left out): {ALWAYS[key]}")
+    pairs = [(key, v) for key, v in pairs if key not in cls.always]
+    unknown = [key for key, _ in pairs if key not in canonical]
+    gone = [removed(k) for k in unknown if removed(k)]
+    if gone:
+        raise TunesmithError(f"{yaml_path}: {gone[0]}")
+    if unknown:
+        raise TunesmithError(f"{yaml_path}: {_unknown_options(unknown, [*canonical, *cls.always])}")
+    hints, given, values, scale = typing.get_type_hints(cls), {}, {}, None
+    for key, v in pairs:
+        name = canonical[key]
+        if name in given:  # `iters:` and `max_steps:` both
+            raise TunesmithError(f"{yaml_path}: '{given[name]}' and '{key}' are the same option; keep one")
+        given[name] = key
+        value = parse_value(known[name], hints[name], v, f"{yaml_path}: '{key}'")
+        if key == "lora_parameters.scale":
+            scale = value
+        else:
+            values[name] = value
+    return values, scale
+
+
 def build_config(cls: type, yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Any:
     """Resolve a stage config: defaults, then the YAML file, then explicit overrides (already typed)."""
     known = {f.name: f for f in fields_of(cls)}
-    values: dict[str, Any] = {}
-    if yaml_path:
-        loaded = read_yaml(yaml_path)
-        canonical = {name: f.name for f in known.values() for name in names_of(f)}
-        unknown = sorted(set(loaded) - set(canonical))
-        gone = [removed(k) for k in unknown if removed(k)]
-        if gone:
-            raise TunesmithError(f"{yaml_path}: {gone[0]}")
-        if unknown:
-            raise TunesmithError(
-                f"{yaml_path}: unknown option(s) {', '.join(unknown)} for this command; known: {', '.join(sorted(known))}"
-            )
-        hints, given = typing.get_type_hints(cls), {}
-        for key, v in loaded.items():
-            name = canonical[key]
-            if name in given:  # `iters:` and `max_steps:` both
-                raise TunesmithError(f"{yaml_path}: '{given[name]}' and '{key}' are the same option; keep one")
-            given[name] = key
-            values[name] = parse_value(known[name], hints[name], v, f"{yaml_path}: '{key}'")
+    values, scale = _yaml_values(cls, known, yaml_path) if yaml_path else ({}, None)
     for k, v in (overrides or {}).items():
         if k not in known:
             raise TypeError(f"{cls.__name__} has no option {k!r}")
         values[k] = v
+    if scale is not None and "lora_alpha" not in (overrides or {}):  # --lora-alpha on the command line wins
+        values["lora_alpha"] = scale * values.get("lora_rank", known["lora_rank"].default)
     return cls(**values)
 
 

@@ -1,5 +1,5 @@
-"""Text in, token examples out: .txt, .jsonl (text / prompt+completion / messages), an mlx-lm style folder,
-and the built-in Shakespeare sets. Every problem in the input is one error naming file:line and the fix.
+"""Text in, token examples out: .txt, .jsonl (text / prompt+completion / messages / Alpaca / ShareGPT), an mlx-lm
+style folder, and the built-in Shakespeare sets. Every problem in the input is one error naming file:line and the fix.
 
 An example is a pair (input_ids, labels) of equal length; labels are -100 where no loss is taken.
 """
@@ -37,6 +37,25 @@ BINARY_MAGIC = {
     b"PAR1": "a Parquet file: export it to JSON Lines first",
     b"SQLite format 3\x00": "an SQLite database: export it to JSON Lines first",
 }
+# A file with one of these endings is plain text; .jsonl is JSON Lines; any other is refused, not read as text.
+TEXT_SUFFIXES = ("", ".txt", ".md")
+_TO_JSONL = {  # how to turn a table into JSON Lines, one record per row
+    ".csv": "pd.read_csv('{name}')", ".tsv": "pd.read_csv('{name}', sep='\\t')",
+    ".parquet": "pd.read_parquet('{name}')", ".xlsx": "pd.read_excel('{name}')",
+}
+# The record formats of a .jsonl file, by the keys that mark them; every record of a file has the same one.
+FORMATS = {
+    "text": ("text",),
+    "completion": ("prompt", "completion"),
+    "messages": ("messages",),
+    "alpaca": ("instruction", "input", "output"),
+    "sharegpt": ("conversations",),
+}
+FORMAT_KEYS = ("'text', 'prompt'+'completion', 'messages', 'instruction'+'output' (Alpaca) or 'conversations' "
+               "(ShareGPT)")
+# A turn's role as chat templates name it, from the names datasets give it (ShareGPT's human and gpt, and bot).
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "bot": "assistant",
+         "system": "system", "tool": "tool"}
 # Why a record was dropped (or cut), as TokenData.stats keys, and how the train output says it.
 RECORD_NOTES = {
     "truncated": "truncated to --seq-len",
@@ -52,7 +71,7 @@ class TokenData:
     valid: list[Example]
     source: str
     stats: dict[str, int] = field(default_factory=dict)
-    where: dict[str, list[str]] = field(default_factory=dict)  # RECORD_NOTES key -> the first few file:line
+    where: dict[str, list[str]] = field(default_factory=dict)  # RECORD_NOTES key -> the first few file:line (: why)
 
 
 # --------------------------------------------------------------------------------------------- reading files
@@ -138,28 +157,26 @@ def _json_kind(value) -> str:
 
 
 def record_format(record: dict, where: str) -> str:
-    present = [k for k in ("text", "prompt", "completion", "messages") if k in record]
-    if len({"prompt" if k == "completion" else k for k in present}) > 1:
+    """The format of one record: the one whose keys it has (FORMATS); none, or keys of two, is an error."""
+    present = {fmt: [k for k in keys if k in record] for fmt, keys in FORMATS.items()}
+    found = [fmt for fmt, keys in present.items() if keys]
+    if len(found) > 1:
+        keys = [k for fmt in found for k in present[fmt]]
         raise TunesmithError(
-            f"{where}: record has keys of more than one format ({', '.join(present)}); give each record one of "
-            "'text', 'prompt'+'completion' or 'messages'"
+            f"{where}: record has keys of more than one format ({', '.join(keys)}); give each record one of {FORMAT_KEYS}"
         )
-    if "messages" in record:
-        return "messages"
-    if "prompt" in record or "completion" in record:
-        return "completion"
-    if "text" in record:
-        return "text"
-    raise TunesmithError(
-        f"{where}: record has none of the keys 'text', 'prompt'+'completion' or 'messages' (it has: {', '.join(record) or 'nothing'})"
-    )
+    if not found:
+        raise TunesmithError(
+            f"{where}: record has none of the keys {FORMAT_KEYS} (it has: {', '.join(record) or 'nothing'})"
+        )
+    return found[0]
 
 
 # ---------------------------------------------------------------------------------------------- tokenizing
 
 
 def tokenize_record(record: dict, fmt: str, tokenizer, where: str) -> Example:
-    """One record -> (ids, labels). Loss is on the completion only, or on assistant turns only."""
+    """One record -> (ids, labels). Loss is on the completion (Alpaca: the output) only, or on assistant turns only."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if fmt == "text":
         text = _field(record, "text", str, where)
@@ -170,8 +187,63 @@ def tokenize_record(record: dict, fmt: str, tokenizer, where: str) -> Example:
         completion = _field(record, "completion", str, where)
         p, c = _encode(tokenizer, prompt), _encode(tokenizer, completion) + eos
         return p + c, [IGNORE] * len(p) + c
-    messages = _field(record, "messages", list, where)
-    return _tokenize_chat(messages, tokenizer, where)
+    return _tokenize_chat(chat_messages(record, fmt, where), tokenizer, where, fmt)
+
+
+def chat_messages(record: dict, fmt: str, where: str) -> list[dict]:
+    """A chat record as the messages its chat template renders: 'messages' as given; Alpaca's instruction (and
+    input, after a blank line) as the user's turn and its output as the assistant's; ShareGPT's turns. An Alpaca or
+    ShareGPT record's 'system', when it has one, comes first. Roles are mapped through ROLES."""
+    if fmt == "messages":
+        return _turns(_field(record, "messages", list, where), "messages", where)
+    system = _optional(record, "system", where)
+    head = [{"role": "system", "content": system}] if system else []
+    if fmt == "sharegpt":
+        return head + _turns(_field(record, "conversations", list, where), "conversations", where)
+    instruction = _field(record, "instruction", str, where)
+    extra = _optional(record, "input", where)
+    user = f"{instruction}\n\n{extra}" if extra else instruction
+    return head + [{"role": "user", "content": user},
+                   {"role": "assistant", "content": _field(record, "output", str, where)}]
+
+
+def _optional(record: dict, key: str, where: str) -> str:
+    """An optional string field: missing or null is empty (a table exported to JSON Lines writes null)."""
+    return "" if record.get(key) is None else _field(record, key, str, where)
+
+
+def _turns(turns: list, key: str, where: str) -> list[dict]:
+    """'messages' (role, content) or ShareGPT's 'conversations' (from, value) as messages with known roles."""
+    role_key, text_key = ("role", "content") if key == "messages" else ("from", "value")
+    other_keys, other_list = (("from", "value"), "conversations") if key == "messages" else (("role", "content"), "messages")
+    if not turns:
+        raise TunesmithError(f"{where}: '{key}' is empty")
+    out = []
+    for i, m in enumerate(turns):
+        if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or not isinstance(m.get(text_key), str):
+            hint = (f"; turns with '{other_keys[0]}' and '{other_keys[1]}' go under '{other_list}'"
+                    if isinstance(m, dict) and all(k in m for k in other_keys) else "")
+            raise TunesmithError(f"{where}: {key}[{i}] must be an object with string '{role_key}' and '{text_key}'{hint}")
+        role = ROLES.get(m[role_key].lower())
+        if role is None:
+            raise TunesmithError(
+                f"{where}: {key}[{i}].{role_key} is {m[role_key]!r}, a role tunesmith does not know (it learns the "
+                "assistant's turns and reads the rest as prompt): use user or human; assistant, gpt or bot; system; tool"
+            )
+        _check_unicode(m[text_key], f"{key}[{i}].{text_key}", where)
+        out.append({**m, "role": role} if key == "messages" else {"role": role, "content": m[text_key]})
+    return out
+
+
+def nothing_to_learn(record: dict, fmt: str) -> str:
+    """Why a record that validated left no token to learn (the loss is on the text, on the completion or output, or
+    on the assistant's turns; a record's first token is never predicted)."""
+    if fmt in ("text", "completion"):
+        key = fmt
+        return f"empty '{key}'" if not record[key] else f"nothing to predict after the first token of '{key}'"
+    if not any(m["role"] == "assistant" for m in chat_messages(record, fmt, "")):
+        return "no assistant turn"
+    return "the chat template renders its assistant turns empty"
 
 
 def _field(record: dict, key: str, kind: type, where: str):
@@ -200,15 +272,11 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _tokenize_chat(messages: list, tokenizer, where: str) -> Example:
-    if not messages:
-        raise TunesmithError(f"{where}: 'messages' is empty")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise TunesmithError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
-        _check_unicode(m["content"], f"messages[{i}].content", where)
+def _tokenize_chat(messages: list[dict], tokenizer, where: str, fmt: str = "messages") -> Example:
     if not getattr(tokenizer, "chat_template", None):
-        raise TunesmithError(f"{where}: 'messages' records need a tokenizer with a chat template; this one has none")
+        what = {"alpaca": "Alpaca", "sharegpt": "ShareGPT"}.get(fmt, "'messages'")
+        raise TunesmithError(f"{where}: {what} records are rendered through the model's chat template, and this "
+                             "tokenizer has none; give 'prompt'+'completion' records instead")
 
     def render(msgs, gen=False) -> str:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
@@ -263,14 +331,28 @@ def check_data_spec(spec: str) -> None:
         raise TunesmithError(
             f"data not found: {spec} (give a .txt or .jsonl file, a folder with train.jsonl, or one of: {', '.join(BUILTIN_DATA)})"
         )
-    if path.suffix == ".json":
-        raise TunesmithError(
-            f"{path}: a .json file; tunesmith reads JSON Lines (.jsonl, one object per line) or plain text (.txt). "
-            f"Convert it (e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl), or rename it if it is already one "
-            "object per line"
-        )
+    if path.is_file() and path.suffix.lower() not in (".jsonl", *TEXT_SUFFIXES):
+        raise TunesmithError(unreadable_suffix(path))
     if path.is_file() and path.stat().st_size == 0:
         raise TunesmithError(f"{path}: the file is empty; give it some text")
+
+
+def unreadable_suffix(path: Path) -> str:
+    """The one-line refusal of a file whose ending tunesmith does not read, with the formats it does and how to get
+    to one of them."""
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return (f"{path}: a .json file; tunesmith reads JSON Lines (.jsonl, one object per line) or plain text (.txt). "
+                f"Convert it (e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl), or rename it if it is already one "
+                "object per line")
+    if suffix in _TO_JSONL:
+        how = (f"convert it to JSON Lines, e.g. with pandas: {_TO_JSONL[suffix].format(name=path.name)}"
+               f".to_json('{path.stem}.jsonl', orient='records', lines=True) (the columns become the records' keys)")
+    else:
+        how = "rename it .txt if it is plain text, or convert it to JSON Lines"
+    return (f"{path}: tunesmith does not read {suffix} files; it reads plain text (.txt, .md or no extension), JSON "
+            f"Lines (.jsonl: text, prompt/completion, messages, Alpaca or ShareGPT records) or a folder with "
+            f"train.jsonl: {how}")
 
 
 def load_data(spec: str, tokenizer, seq_len: int = 256, val_fraction: float = 0.05) -> TokenData:
@@ -287,7 +369,7 @@ def load_data(spec: str, tokenizer, seq_len: int = 256, val_fraction: float = 0.
     path = Path(spec).expanduser()
     if path.is_dir():
         return _from_folder(path, tokenizer, seq_len)
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":
         examples, stats, where = _jsonl_examples(path, tokenizer, seq_len)
         n_val = int(len(examples) * val_fraction) if len(examples) > 1 else 0
         n_val = max(1, n_val) if val_fraction > 0 and len(examples) > 1 else n_val
@@ -314,10 +396,10 @@ def _jsonl_examples(path: Path, tokenizer, seq_len: int) -> tuple[list[Example],
     stats = {"records": len(records) + len(huge), **dict.fromkeys(RECORD_NOTES, 0)}
     where_of: dict[str, list[str]] = {}
 
-    def note(reason: str, lineno: int) -> None:
+    def note(reason: str, lineno: int, why: str = "") -> None:
         stats[reason] += 1
         if len(where_of.setdefault(reason, [])) < 3:
-            where_of[reason].append(f"{path}:{lineno}")
+            where_of[reason].append(f"{path}:{lineno}" + (f": {why}" if why else ""))
 
     for lineno in huge:
         note("dropped_too_long_line", lineno)
@@ -334,7 +416,7 @@ def _jsonl_examples(path: Path, tokenizer, seq_len: int) -> tuple[list[Example],
             raise TunesmithError(f"{where}: record is '{record_format(record, where)}' but the file's first is '{fmt}'")
         ids, labels = tokenize_record(record, fmt, tokenizer, where)
         if all(t == IGNORE for t in labels[1:]):  # label 0 is never predicted
-            note("no_supervised_tokens", lineno)
+            note("no_supervised_tokens", lineno, nothing_to_learn(record, fmt))
             continue
         if len(ids) > seq_len:
             ids, labels = ids[:seq_len], labels[:seq_len]
@@ -351,8 +433,8 @@ def _jsonl_examples(path: Path, tokenizer, seq_len: int) -> tuple[list[Example],
         )
     if not examples:
         raise TunesmithError(
-            f"{where_of['no_supervised_tokens'][0]}: no record has a token to learn: empty 'text' or 'completion', "
-            "or 'messages' without an assistant turn"
+            f"{where_of['no_supervised_tokens'][0]}; no record of {path.name} has a token to learn: the loss is "
+            "taken on 'text', on the completion ('completion', Alpaca's 'output') or on assistant turns only"
         )
     return examples, stats, where_of
 
