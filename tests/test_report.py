@@ -291,3 +291,19 @@ def test_report_renders_in_headless_chromium(tmp_path, width, height):
     outside = np.ones(shot.shape[:2], bool)
     outside[top:bottom, left:right] = False
     assert (shot[outside] == ref[outside]).all()
+
+
+def test_the_report_warns_of_rising_validation_loss_and_a_tiny_validation_set(tmp_path):
+    from tunesmith.report import Run, summary_text, warnings
+
+    train = [{"step": i, "loss": 3.0 - 0.1 * i} for i in range(1, 21)]
+    evals = [{"step": 10, "val_loss": 2.0}, {"step": 20, "val_loss": 2.4}]
+    run = Run(tmp_path, {}, train, evals, summary={"device": "cpu", "precision": "bf16", "valid_examples": 2})
+    found = warnings(run)
+    assert any("validation loss rose from 2.0000 (step 10) to 2.4000" in w for w in found)
+    assert any("validation set holds 2 examples" in w for w in found)
+    text = summary_text(run)
+    assert "trained on cpu, bf16" in text and text.count("warning: ") == 2
+    healthy = Run(tmp_path, {}, train, [{"step": 10, "val_loss": 2.4}, {"step": 20, "val_loss": 2.0}],
+                  summary={"valid_examples": 40})
+    assert warnings(healthy) == []

@@ -237,3 +237,106 @@ def test_the_wait_for_other_processes_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv("TUNESMITH_DIST_TIMEOUT", bad)
         with pytest.raises(TunesmithError, match="TUNESMITH_DIST_TIMEOUT must be a number of seconds > 0"):
             dist_timeout()
+
+
+# ---- what a user meets through the CLI, in a process of its own -------------------------------------------------
+
+
+def _cli_process(tmp_path, *args: str, stderr_file=None):
+    """`python -m tunesmith.cli ARGS` as a user runs it; stderr to a file (not a terminal) when one is given."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "TUNESMITH_CPU_TRAIN_PRECISION": "fp32"}
+    with open(stderr_file or os.devnull, "w") as err:
+        done = subprocess.run([sys.executable, "-m", "tunesmith.cli", *args], env=env, cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=err if stderr_file else subprocess.PIPE, timeout=600)
+    return done, Path(stderr_file).read_text() if stderr_file else done.stderr
+
+
+def _train_args(tiny_dir, data, run, *extra):
+    return ["train", "--model", str(tiny_dir), "--data", str(data), "--output", str(run), "--device", "cpu",
+            "--seq-len", "32", "--batch-size", "2", "--max-steps", "3", "--lr", "1e-2", "--warmup-steps", "1",
+            "--eval-every", "0", *extra]
+
+
+def test_a_log_file_gets_plain_progress_lines_and_the_report_samples_and_device(tmp_path, tiny_dir, text_file):
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    done, err = _cli_process(tmp_path, *_train_args(tiny_dir, text_file, run), stderr_file=log)
+    assert done.returncode == 0, err
+    lines = [x for x in err.splitlines() if x.startswith("tunesmith: train ")]
+    # the first step and the last (a 3-step run ends well within the 30 s between lines)
+    assert [x.split(":")[1].split()[1] for x in lines] == ["1/3", "3/3"], err
+    assert "loss " in lines[0] and "tok/s" in lines[0] and "left" in lines[0] and "nan" not in err
+    assert "with so few" not in err  # the small-data hint is for the default --lr; this run set its own
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["device"] == "cpu" and summary["precision"] == "fp32" and summary["valid_examples"] > 0
+    samples = json.loads((run / "samples.json").read_text())
+    assert len(samples) == min(2, summary["valid_examples"]) and all(s["prompt"] and s["after"] for s in samples)
+    assert "trained on cpu, fp32" in done.stdout
+    if summary["valid_examples"] < 4:  # the tiny corpus holds out one block
+        assert "warning: the validation set holds" in done.stdout
+
+    # --resume on the finished run: one line, exit 0, nothing rewritten
+    adapter = run / "adapter" / "adapter_model.safetensors"
+    old, report = adapter.stat().st_mtime_ns, (run / "report.html").stat().st_mtime_ns
+    done, err = _cli_process(tmp_path, *_train_args(tiny_dir, text_file, run, "--resume"))
+    assert done.returncode == 0 and done.stdout == "", (done.stdout, err)
+    assert f"{run} is finished (3 of 3 steps" in err and "overwrite" not in err.split("nothing to resume")[0]
+    assert adapter.stat().st_mtime_ns == old and (run / "report.html").stat().st_mtime_ns == report
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_folder(tmp_path, text_file):
+    run = tmp_path / "runs" / "new"
+    done, err = _cli_process(tmp_path, *_train_args(tmp_path / "no-such-model", text_file, run))
+    assert done.returncode == 2 and "not found" in err, err
+    assert not run.exists()
+
+
+def test_plain_progress_prints_the_first_step_every_interval_and_the_last():
+    import io
+
+    from tunesmith.progress import Progress
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = Progress(interval=30, stream=out, terminal=False, now=lambda: now[0])
+    task = bar.task("train", 10)
+    for _ in range(10):
+        now[0] += 7
+        task.advance(info="loss 1.0000")
+    shown = [line.split()[2] for line in out.getvalue().splitlines()]
+    assert shown == ["1/10", "6/10", "10/10"]  # at 7 s, 42 s (35 s later), and the last
+    quiet = Progress(interval=30, stream=out, terminal=False, now=lambda: now[0]).task("evaluate", 3, first=False)
+    before = out.getvalue()
+    for _ in range(3):
+        quiet.advance()
+    assert out.getvalue() == before  # a short evaluation says nothing in a log
+
+
+def test_eval_batches_is_bounded_by_default_and_all_means_the_whole_split():
+    from tunesmith.cli import build_parser
+    from tunesmith.config import TrainConfig, build_config
+
+    assert TrainConfig().eval_batches == 25
+    for flag, value, expected in (("--eval-batches", "all", 0), ("--val-batches", "7", 7)):
+        args = vars(build_parser().parse_args(["train", flag, value]))
+        args.pop("verb"), args.pop("config", None)
+        assert build_config(TrainConfig, None, args).eval_batches == expected
+
+
+def test_a_small_training_set_at_the_default_rate_gets_the_settings_that_learned_one(tmp_path, tokenizer, text_file):
+    from tunesmith.config import TrainConfig
+    from tunesmith.train import _small_data_hint
+
+    data = load_data(str(text_file), tokenizer, seq_len=32)
+    said = []
+    _small_data_hint(TrainConfig(), data, said.append)
+    assert said and said[0].startswith(f"{len(data.train)} training examples: with so few, the default --lr 0.0002")
+    assert "--lr 1e-3 --lora-targets all-linear" in said[0]
+    said.clear()
+    _small_data_hint(TrainConfig(lr=1e-3), data, said.append)
+    assert not said

@@ -84,8 +84,11 @@ def _train(cfg):
         launch(cfg, C.save_config)
         return
     r = train(cfg)
-    if not r.main:  # under several processes the main one reports
+    if not r.main or r.finished:  # under several processes the main one reports; a finished run was reported
         return
+    from tunesmith.pipeline import sample_train_run
+
+    sample_train_run(r)  # greedy samples before / after, the resolved device: for the report
     write_report(r.run_dir)  # report.html and a plain-text summary of the run
     last = f", validation perplexity {r.evals[-1][1].perplexity:.2f}" if r.evals else ""
     what = "model" if cfg.fine_tune_type == "full" else "adapter"

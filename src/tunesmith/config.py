@@ -145,6 +145,16 @@ def batch_size_value(value: str | int) -> int | str:
         raise ValueError(f"must be a positive integer or 'auto', got {value!r}") from None
 
 
+def batches_value(value: str | int) -> int:
+    """A number of batches, or 'all' (read as 0: no limit)."""
+    if value == "all":
+        return 0
+    try:
+        return _number(int, value)
+    except ValueError:
+        raise ValueError(f"must be a number of batches or all, got {value!r}") from None
+
+
 def resume_value(value: bool | str) -> bool | str:
     """--resume: true (the newest complete checkpoint in --output), false, or a checkpoint or run folder."""
     if isinstance(value, bool) or (isinstance(value, str) and value):
@@ -295,7 +305,9 @@ class TrainConfig(DataConfig, ModelConfig):
                          "memory; needs tunesmith[qlora])", choices=["adamw", "adamw8bit"])
     eval_every: int = opt(50, "evaluate on the validation split every N steps (0: only at the end)", bounds=COUNT,
                           aliases=("steps_per_eval",))
-    eval_batches: int = opt(0, "validation batches per evaluation (0: the whole split)", bounds=COUNT)
+    eval_batches: int = opt(25, "validation batches per evaluation, the split's first (0 or all: the whole split, "
+                            "which on a large split can take longer than training)", type=batches_value,
+                            bounds=COUNT, aliases=("val_batches",))
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory",
                                        aliases=("grad_checkpoint",))
     fast_paths: str = opt("auto", "auto: the fast paths that apply to this model and device (a fused loss, fused "

@@ -44,12 +44,16 @@ def evaluate(
     pad_id: int = 0,
     shard: tuple[int, int] = (0, 1),
     all_sum: Callable[[list[float]], list[float]] | None = None,
+    advance: Callable[[], None] | None = None,
+    loss_fn: Callable = loss_sum,
 ) -> EvalResult:
     """Token-weighted loss and perplexity of `model` on `examples` (all of them, or the first max_batches batches).
 
     Under several processes, `shard` (rank, world) gives each its every world-th example and `all_sum` adds up
     their sums: the result is the one a single process gets. Every process runs the same number of forwards, an
-    unscored one where its share ran out, since a sharded (FSDP) model gathers its weights collectively."""
+    unscored one where its share ran out, since a sharded (FSDP) model gathers its weights collectively.
+    `advance` is called after each batch (a progress bar's); `loss_fn` is the trainer's (its fused loss keeps a
+    large vocabulary's logits from peaking above training's memory)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -57,16 +61,16 @@ def evaluate(
         examples = examples[: max_batches * batch_size]
     rank, world = shard
     mine = examples[rank::world]
-    share = math.ceil(len(examples) / world)
-    rounds = math.ceil(share / batch_size)  # the most batches any process has
     total, count = 0.0, 0
-    for i in range(rounds):
+    for i in range(eval_rounds(len(examples), batch_size, 0, world)):
         chunk = mine[i * batch_size : (i + 1) * batch_size]
         batch = collate(chunk or examples[:1], pad_id)
-        s, n = loss_sum(model, {k: v.to(device) for k, v in batch.items()})
+        s, n = loss_fn(model, {k: v.to(device) for k, v in batch.items()})
         if chunk:
             total += float(s)
             count += n
+        if advance is not None:
+            advance()
     if all_sum is not None:
         total, count = all_sum([total, float(count)])
         count = int(count)
@@ -75,6 +79,13 @@ def evaluate(
         return EvalResult(float("nan"), float("nan"), 0)
     mean = total / count
     return EvalResult(mean, math.exp(min(mean, 80.0)), count)
+
+
+def eval_rounds(n: int, batch_size: int, max_batches: int = 0, world: int = 1) -> int:
+    """The forward passes `evaluate` runs on each process for `n` examples: the most batches any process has."""
+    if max_batches:
+        n = min(n, max_batches * batch_size)
+    return math.ceil(math.ceil(n / world) / batch_size)
 
 
 def evaluate_from_config(cfg) -> EvalResult:

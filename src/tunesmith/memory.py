@@ -40,7 +40,10 @@ LOGITS_BYTES_PER_VOCAB = 12  # fp32: log-softmax output, its incoming gradient a
 # On the CPU `train` measures the whole process's peak RSS, so the plan counts what the process holds besides
 # tensors, and what glibc's allocator holds besides live tensors. Both measured, glibc's default allocator
 # (docs/MEMORY.md, "CPU: the whole process").
-CPU_RUNTIME_BYTES = 752 * 2**20  # python, torch, transformers, peft, accelerate, the tokenizer, the built-in data
+CPU_RUNTIME_BYTES = 692 * 2**20  # python, torch, transformers, peft, accelerate, the built-in data
+# The tokenizer, held by the `tokenizers` library: about this much per vocabulary entry (measured: SmolLM2's 49k
+# entries 0.04 GiB, Gemma 3's 262k 0.31 GiB; docs/MEMORY.md, "CPU: the whole process").
+CPU_TOKENIZER_BYTES_PER_VOCAB = 1280
 # Freed blocks glibc's heaps keep at the peak. No trend with the activations was seen (35 MiB at 2 GiB of them,
 # 440 MiB at 1.1 GiB); with checkpointing more: the layers' freed forward temporaries still fill the heap when
 # the logits peak comes. The mean of the measured runs, without and with checkpointing.
@@ -114,6 +117,10 @@ class ModelShape:
     tied: bool = False  # output head shares the embedding matrix
     parameters: dict[str, int] = field(default_factory=dict)  # parameter name -> numel (tied ones once)
     lean: bool = False  # a Llama-family model with a SiLU MLP: --recompute's eager functions apply (kernels.recompute)
+    # (width, rows per token) of every RMSNorm in a decoder layer: Llama's two over the hidden size; Gemma 3's four,
+    # and q_norm / k_norm over each head. Empty: Llama's.
+    norms: tuple[tuple[int, int], ...] = ()
+    saved_bytes: int = 0  # bytes per parameter as the checkpoint stores them (its config's dtype; 0: not known)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -143,7 +150,13 @@ class ModelShape:
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             lean=getattr(config, "model_type", None) in LIGER_MODEL_TYPES and getattr(text, "hidden_act", "silu") == "silu",
             parameters={n: p.numel() for n, p in model.named_parameters()},
+            norms=_layer_norms(model, heads, getattr(text, "num_key_value_heads", None) or heads),
+            saved_bytes=_dtype_bytes(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)),
         )
+
+    def norm_bytes(self) -> int:
+        """Per token, what a layer's RMSNorms keep: each its input in fp32 and the 1/rms of each row."""
+        return sum(4 * w + 4 * rows for w, rows in self.norms or ((self.hidden, 1), (self.hidden, 1)))
 
     def targeted(self, targets: list[str]) -> dict[str, tuple[int, int]]:
         """The linears LoRA adapts, matched as PEFT matches target_modules (name or dotted suffix)."""
@@ -154,6 +167,24 @@ class ModelShape:
             names = sorted({n.rsplit(".", 1)[-1] for n in self.linears})
             raise TunesmithError(f"--lora-targets {','.join(targets)} match no linear layer; here: {', '.join(names)}")
         return hits
+
+
+def _layer_norms(model, heads: int, kv_heads: int) -> tuple[tuple[int, int], ...]:
+    """(width, rows per token) of the norms in the first decoder layer (meta model): q_norm and k_norm normalise
+    each head of q and k (Gemma 3, Qwen3), the others the hidden state."""
+    per_head = {"q_norm": heads, "k_norm": kv_heads}
+    norms = []
+    for name, m in model.named_modules():
+        weight = getattr(m, "weight", None)
+        if _layer_of(name + ".") == 0 and type(m).__name__.endswith("RMSNorm") and weight is not None:
+            rows = per_head.get(name.rpartition(".")[2], 1)
+            norms.append((weight.numel() * rows, rows))
+    return tuple(norms)
+
+
+def _dtype_bytes(dtype) -> int:
+    names = {"float32": 4, "float16": 2, "bfloat16": 2}
+    return names.get(str(dtype).removeprefix("torch."), 0) if dtype is not None else 0
 
 
 @dataclass(frozen=True)
@@ -298,7 +329,7 @@ def layer_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
         residual = 4 if s.precision == "fp32" or s.full else 2  # weights' dtype; fp32 masters for full) and 1/rms
         total = 2 * (residual * shape.hidden + 4)
     else:
-        total = 2 * (4 * shape.hidden + 4)  # each RMSNorm keeps its input in fp32 and the 1/rms per token
+        total = shape.norm_bytes()  # each RMSNorm keeps its input in fp32 and the 1/rms per token (per head)
     total += (q + 2 * kv + q) * a + shape.heads * 4  # attention keeps q, k, v (un-repeated: GQA), output, logsumexp
     # gated MLP keeps gate (for SiLU), SiLU(gate) and up (for the product); --recompute: gate and up only
     total += (2 if _lean(shape, s) else 3) * shape.intermediate * a
@@ -495,10 +526,7 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     if s.world > 1:
         parts |= distributed_parts(shape, s, parts, trainable)
     if s.device_type == "cpu":  # measured there: the whole process's peak RSS, not an allocator's live bytes
-        parts["runtime"] = CPU_RUNTIME_BYTES
-        parts["allocator"] = CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]
-        if s.quantize_base != "none":
-            parts["allocator"] += CPU_DEQUANT_SLACK_BYTES[s.gradient_checkpointing]
+        parts |= cpu_parts(shape, s, parts)
     if s.base_calibration and s.quantize_base != "none":
         if s.device_type == "cpu":
             # The process's resident set: glibc keeps what calibration used (the full-precision model it freed, the
@@ -507,6 +535,22 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         else:  # an accelerator's allocator reuses the freed blocks: the peak is whichever phase is larger
             parts["calibration"] = max(0, calibration_bytes(shape, s) - sum(parts.values()))
     return parts
+
+
+def cpu_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int]) -> dict[str, int]:
+    """What the CPU's peak resident set adds: the runtime and tokenizer, glibc's heap slack, and the peak of loading
+    when it is higher than training's. A checkpoint stored in another dtype than the weights' is read through its
+    mapped file while the converted copy is made: for that moment the file's pages are resident beside the
+    weights (Gemma 3 270M's fp32 file, 1 GiB, loaded in bf16)."""
+    out = {"runtime": CPU_RUNTIME_BYTES + CPU_TOKENIZER_BYTES_PER_VOCAB * shape.vocab,
+           "allocator": CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]}
+    if s.quantize_base != "none":
+        out["allocator"] += CPU_DEQUANT_SLACK_BYTES[s.gradient_checkpointing]
+    w = 4 if s.precision == "fp32" or s.full else 2
+    if shape.saved_bytes and shape.saved_bytes != w and s.quantize_base == "none":
+        loading = out["runtime"] + parts["weights"] + shape.params * shape.saved_bytes
+        out["loading"] = max(0, loading - sum(parts.values()) - sum(out.values()))
+    return out
 
 
 def calibration_bytes(shape: ModelShape, s: TrainSetup) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunesmith.config import DEMO_PROMPTS, DemoConfig, TrainConfig, fields_of, save_config
-from tunesmith.data import check_data_spec, load_data
+from tunesmith.data import IGNORE, check_data_spec, load_data
 from tunesmith.device import resolve_device, resolve_precision, weight_dtype
 from tunesmith.evaluate import evaluate
 from tunesmith.generate import generate
@@ -117,9 +117,50 @@ def ship(cfg: DemoConfig, merged_dir: Path, console, train) -> None:
     compare(ladder, console, prompts=DEMO_PROMPTS)
 
 
+def write_samples(run_dir: Path, prompts, before: list[str], after: list[str]) -> None:
+    """samples.json, the report's before/after section: a {"prompt", "before", "after"} object per prompt."""
+    samples = [{"prompt": p, "before": b, "after": a} for p, b, a in zip(prompts, before, after, strict=True)]
+    (run_dir / "samples.json").write_text(json.dumps(samples, indent=2), encoding="utf-8")
+
+
+TRAIN_SAMPLES, TRAIN_SAMPLE_TOKENS = 2, 32  # a train run's report: greedy, short, so they cost seconds
+
+
+def sample_prompts(data, n: int = TRAIN_SAMPLES, head: int = 16) -> list[list[int]]:
+    """Prompts from the held-out examples (else the training ones): a record's prompt (its tokens before the first
+    supervised one), or a text block's first `head` tokens."""
+    prompts = []
+    for ids, labels in (data.valid or data.train)[:n]:
+        first = next((i for i, t in enumerate(labels) if t != IGNORE), len(ids))
+        prompts.append(list(ids[:first] if first > 0 else ids[:head]))
+    return prompts
+
+
+def sample_train_run(result, max_tokens: int = TRAIN_SAMPLE_TOKENS) -> None:
+    """A train run's samples.json and summary.json, for its report. The samples are greedy: the same prompts from
+    the trained model with the adapter switched off (PEFT's disable_adapter: the base, as it was before training;
+    no second model loaded) and on. Full fine-tuning keeps no base: no samples."""
+    from tunesmith.generate import stream_tokens
+
+    model, tokenizer, data = result.model, result.tokenizer, result.data
+    summary = {"device": result.device, "precision": result.precision,
+               "valid_examples": len(data.valid) if data is not None else None}
+    (result.run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    if model is None or tokenizer is None or data is None or not hasattr(model, "disable_adapter"):
+        return
+    prompts = sample_prompts(data)
+
+    def run() -> list[str]:
+        return ["".join(r.text for r in stream_tokens(model, tokenizer, ids, max_tokens)) for ids in prompts]
+
+    with model.disable_adapter():
+        before = run()
+    after = run()
+    write_samples(result.run_dir, [tokenizer.decode(ids) for ids in prompts], before, after)
+
+
 def _write(r: DemoResult) -> None:
-    samples = [{"prompt": p, "before": b, "after": a} for p, b, a in zip(DEMO_PROMPTS, r.samples_before, r.samples_after, strict=True)]
-    (r.run_dir / "samples.json").write_text(json.dumps(samples, indent=2), encoding="utf-8")
+    write_samples(r.run_dir, DEMO_PROMPTS, r.samples_before, r.samples_after)
     summary = {
         "ppl_before": r.ppl_before, "ppl_after": r.ppl_after, "ppl_drop": r.ppl_drop,
         "train_steps": r.train_steps, "train_seconds": r.train_seconds, "wall_seconds": r.wall_seconds,

@@ -190,6 +190,33 @@ def headline(run: Run) -> dict[str, str]:
     out["tokens_per_s"] = fmt_num(statistics.median(tps), ".0f") if tps else "—"
     out["train_seconds"] = fmt_num(last.get("elapsed_s"), ".0f")
     out["peak_memory"] = fmt_bytes(run.peak_bytes) if run.peak_bytes else "not measured"
+    if (run.summary or {}).get("device"):
+        out["device"] = f"{run.summary['device']}, {run.summary.get('precision') or '?'}"
+    return out
+
+
+TINY_VALIDATION = 4  # held-out examples below which a validation loss says little
+
+
+def warnings(run: Run) -> list[str]:
+    """What the figures say is wrong: validation loss rising while training loss falls (over-fitting, or a
+    learning rate too high for the data), a validation set too small to mean much, or none at all."""
+    out = []
+    n = (run.summary or {}).get("valid_examples")
+    if isinstance(n, int) and n == 0:
+        out.append("no validation data: nothing tells over-fitting apart from learning; add a valid.jsonl or "
+                   "raise --val-fraction")
+    elif isinstance(n, int) and n < TINY_VALIDATION:
+        out.append(f"the validation set holds {n} example{'s' if n != 1 else ''}: its loss is noise; hold out "
+                   f"at least {TINY_VALIDATION} (a larger valid.jsonl, or a higher --val-fraction)")
+    if len(run.evals) >= 2 and len(run.train) >= 2:
+        val = [r["val_loss"] for r in run.evals]
+        k = max(1, len(run.train) // 5)
+        early, late = (statistics.fmean(r["loss"] for r in rows) for rows in (run.train[:k], run.train[-k:]))
+        if val[-1] > min(val) and late < early:
+            best = run.evals[val.index(min(val))]["step"]
+            out.append(f"validation loss rose from {min(val):.4f} (step {best}) to {val[-1]:.4f} while the "
+                       "training loss fell: the model is over-fitting; train fewer steps or lower --lr")
     return out
 
 
@@ -205,6 +232,7 @@ LABELS = {
     "tokens_per_s": "median tokens/s",
     "train_seconds": "training seconds",
     "peak_memory": "peak memory",
+    "device": "device, precision",
 }
 
 
@@ -370,6 +398,7 @@ def render_html(run: Run) -> str:
     body = "".join(
         [
             _cards(run),
+            _warnings_section(run),
             f'<section id="loss"><h2>Loss</h2>{_img("loss-plot", pngs["loss"], "training and validation loss")}</section>\n',
             f'<section id="speed"><h2>Throughput and memory</h2>'
             f"{_img('speed-plot', pngs['speed'], 'tokens per second and peak memory')}</section>\n",
@@ -404,6 +433,14 @@ def _cards(run: Run) -> str:
         for k, v in headline(run).items()
     )
     return f'<section id="summary"><h2>Summary</h2><div class="cards">{cards}</div></section>\n'
+
+
+def _warnings_section(run: Run) -> str:
+    found = warnings(run)
+    if not found:
+        return ""
+    items = "".join(f"<li>{html.escape(w)}</li>" for w in found)
+    return f'<section id="warnings"><h2>Warnings</h2><ul>{items}</ul></section>\n'
 
 
 def _samples_section(run: Run) -> str:
@@ -507,6 +544,8 @@ def summary_text(run: Run, report_path: Path | None = None) -> str:
         f"  {h['steps']} steps, {h['tokens']} tokens in {h['train_seconds']}s "
         f"({h['tokens_per_s']} tokens/s median), peak memory {h['peak_memory']}"
     )
+    if "device" in h:
+        lines.append(f"  trained on {h['device']}")
     lines.append(f"  train loss {h['train_loss_first']} -> {h['train_loss_last']}")
     if "val_loss" in h:
         lines.append(
@@ -531,6 +570,7 @@ def summary_text(run: Run, report_path: Path | None = None) -> str:
                 f"    {r['name']:<{width}}  {size:>10}  perplexity {fmt_num(r.get('perplexity'), '.2f'):>8}"
                 f"  {fmt_num(r.get('tokens_per_s'), '.1f'):>7} tokens/s"
             )
+    lines += [f"  warning: {w}" for w in warnings(run)]
     for s in run.samples:
         lines.append(f"  {_one_line(s['prompt'])}")
         lines.append(f"    before: {_one_line(s['before'])}")

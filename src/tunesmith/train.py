@@ -11,6 +11,7 @@ can be passed in, as in mlx-lm's `train(..., loss=..., training_callback=...)`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import torch
 
 from tunesmith import kernels
 from tunesmith.checkpoint import (
+    STATE,
     Checkpoint,
     Checkpointer,
     StopSignals,
@@ -78,7 +80,7 @@ from tunesmith.distributed import (
     load_full_optimizer_state,
 )
 from tunesmith.errors import Interrupted, PeerLost, TunesmithError
-from tunesmith.evaluate import EvalResult, evaluate, loss_sum
+from tunesmith.evaluate import EvalResult, eval_rounds, evaluate, loss_sum
 from tunesmith.kernels import compiled, liger, recompute
 from tunesmith.kernels.base import LossFn, model_type
 from tunesmith.kernels.compiled import eager_layers, own_gradients, recomputing
@@ -86,6 +88,7 @@ from tunesmith.kernels.liger_loss import liger_available
 from tunesmith.kernels.loss import supervised_rows
 from tunesmith.lora import attach_lora, save_adapter, trainable_parameters, unfreeze
 from tunesmith.models import load_model, load_tokenizer, without_hub_kernels
+from tunesmith.progress import Progress, Task
 from tunesmith.qlora import BASE_CODES, base_codes, quantized_scheme
 
 CALIBRATION_STEPS = 3  # steps timed before a time budget resizes the run
@@ -125,6 +128,11 @@ class TrainResult:
     grad_accum: int = 0  # micro-batches per optimizer step at the end
     model: torch.nn.Module | None = None  # the trained PeftModel, for callers that go on using it
     main: bool = True  # this is the main process (of one, or of several): the one that writes
+    finished: bool = False  # --resume found the run finished already: nothing trained, nothing written
+    device: str = ""  # where it trained, and in what precision (resolved: never "auto")
+    precision: str = ""
+    tokenizer: Any = None  # the run's tokenizer and data, for callers that sample or score the trained model
+    data: TokenData | None = None
 
 
 class Schedule:
@@ -202,6 +210,27 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
+def finished_run(cfg: TrainConfig) -> str | None:
+    """With --resume (of this run folder) on a run that is finished, with the same length asked for: the line that
+    says so (nothing is left to train, and nothing is rewritten); else None."""
+    run_dir = Path(cfg.output)
+    what = run_dir / ("model" if cfg.fine_tune_type == "full" else "adapter")
+    done = complete_checkpoints(run_dir / "checkpoints")
+    if cfg.resume is not True or not what.is_dir() or not done:
+        return None
+    try:
+        state = json.loads((done[0][1] / STATE).read_text(encoding="utf-8"))
+        saved = state.get("config", {})
+        finished = state["step"] >= state["schedule_total"] and all(
+            saved.get(k) == getattr(cfg, k) for k in ("max_steps", "epochs", "time_budget"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the resume itself reports a damaged checkpoint
+    if not finished:
+        return None
+    return (f"{run_dir} is finished ({state['step']} of {state['schedule_total']} steps; {what.name} in {what}); "
+            "nothing to resume. To train longer, resume with a larger --max-steps; to start over, --overwrite")
+
+
 def check_run_folder(cfg: TrainConfig) -> list[str]:
     """A fresh run must not silently replace a finished one. Returns what the folder holds of an earlier run (empty:
     nothing); without --resume or --overwrite, a folder that holds one is an error naming both."""
@@ -243,7 +272,17 @@ def train(
     summed loss over the batch's supervised tokens and their count (default: the fused loss where a fast path
     provides one, else evaluate.loss_sum). `callback` gets a StepRecord after every optimizer step (its checkpoint,
     if one was due, already saved); an exception it raises ends the run there."""
-    run = _setup(cfg, model, tokenizer, data, progress)
+    if model is None and (done := finished_run(cfg)):  # (a caller that hands in a model wants it back trained)
+        _note(progress, done)
+        return TrainResult(Path(cfg.output), Path(cfg.output) / ("model" if cfg.fine_tune_type == "full" else "adapter"),
+                           finished=True, main=not launched() or os.environ.get("RANK", "0") == "0")
+    fresh = not Path(cfg.output).exists()
+    try:
+        run = _setup(cfg, model, tokenizer, data, progress)
+    except BaseException:
+        if fresh and not launched():  # a run that failed before its first step leaves no folder behind
+            shutil.rmtree(cfg.output, ignore_errors=True)
+        raise
     with run.log:
         result = TrainResult(run.run_dir, run.run_dir / ("model" if cfg.fine_tune_type == "full" else "adapter"),
                              trainable_params=trainable_parameters(run.model),
@@ -258,6 +297,8 @@ def train(
                 raise
             raise PeerLost(_peer_lost(e, run)) from None
     result.main = run.accelerator.is_main_process
+    result.device, result.precision = str(run.accelerator.device), _precision(run.accelerator)
+    result.tokenizer, result.data = run.tokenizer, run.data
     return _finish(cfg, run, result)
 
 
@@ -383,6 +424,7 @@ def _load(cfg: TrainConfig, place: Place, model, tokenizer, data: TokenData | No
         data = load_data(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction)
         if place.progress:
             print(describe_data(data))  # records truncated or dropped, and why
+    _small_data_hint(cfg, data, place.say)
     fingerprint = data_fingerprint(data.train)
     # Every process must train the same thing: one error now, not gradients of different runs averaged.
     check_agreement(place.accelerator, config=config_fingerprint(cfg), data=fingerprint)
@@ -408,6 +450,20 @@ def _load(cfg: TrainConfig, place: Place, model, tokenizer, data: TokenData | No
         blocks = [list(ids) for ids, _ in data.train[: cfg.base_calibration]]
         calibrate_base(model, cfg.quantize_base, blocks, place.progress)
     return model, tokenizer, data, fingerprint
+
+
+SMALL_DATA = 200  # training examples below which the defaults learn a style slowly (README: small data)
+
+
+def _small_data_hint(cfg: TrainConfig, data: TokenData, say) -> None:
+    """On a small training set at the default rate and targets, say what learned one: a hint, not a changed default
+    (on more data the defaults are the safer choice)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in ("lr", "lora_targets")}
+    if len(data.train) >= SMALL_DATA or cfg.fine_tune_type == "full" or cfg.lr != defaults["lr"]:
+        return
+    targets = "" if cfg.lora_targets == ["all-linear"] else " --lora-targets all-linear"
+    say(f"{len(data.train)} training examples: with so few, the default --lr {cfg.lr:g} learns slowly; "
+        f"--lr 1e-3{targets} and a few epochs learned a 40-example style in 40 steps (README: small data)")
 
 
 def _prepare_given(cfg: TrainConfig, model, dtype: torch.dtype, calibrate: bool) -> None:
@@ -546,8 +602,8 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
     schedule. Fills `result` and writes the run log; a stop signal ends it with a checkpoint and Interrupted."""
     acc, schedule, state = run.accelerator, run.schedule, run.state
     rank, world = acc.process_index, acc.num_processes
-    bar = _progress(progress)
-    task = bar.add_task("train", total=schedule.total, completed=state.step, loss=float("nan"), tps=0.0)
+    bar = Progress(progress)  # a bar on a terminal; plain lines every INTERVAL seconds in a log file
+    task = bar.task("train", schedule.total, state.step)
     run.model.train()
     started = time.perf_counter() - state.elapsed  # elapsed counts the earlier processes of a resumed run
     step, result.tokens, bad_streak = state.step, state.tokens, state.bad_streak
@@ -575,10 +631,10 @@ def train_loop(cfg: TrainConfig, run: Run, result: TrainResult, loss: LossFn = l
                 run.log.write("train", step=step, loss=step_loss, lr=lr, grad_norm=grad_norm,
                               tokens=result.tokens, tokens_per_s=tps, elapsed_s=elapsed,
                               peak_mem_bytes=peak_memory_bytes(acc.device))
-            _fit_budget(cfg, run, step, elapsed, bar, task)
-            bar.update(task, advance=1, loss=step_loss, tps=tps)
+            _fit_budget(cfg, run, step, elapsed, task)
+            task.advance(info=f"loss {step_loss:.4f}, {tps:,.0f} tok/s")
             last = step == schedule.total
-            _evaluate(cfg, run, result, step, last)
+            _evaluate(cfg, run, result, step, last, bar)
             # Every process must agree to stop, or the others would wait for it forever.
             stopping = _any_process(acc, stop.signum is not None)
             state = TrainState(step=step, schedule_total=schedule.total, planned_total=run.planned_total,
@@ -670,7 +726,7 @@ def _step_on_device(optimizer, step_loss: torch.Tensor, norm: torch.Tensor) -> t
     return stats
 
 
-def _fit_budget(cfg: TrainConfig, run: Run, step: int, elapsed: float, bar, task) -> None:
+def _fit_budget(cfg: TrainConfig, run: Run, step: int, elapsed: float, task: Task) -> None:
     """After step CALIBRATION_STEPS (warm): fit the run into --time-budget (never below the demo's --min-steps) and
     let the cosine decay end at the new horizon. The main process's pace decides, or the processes would plan
     different lengths."""
@@ -678,19 +734,25 @@ def _fit_budget(cfg: TrainConfig, run: Run, step: int, elapsed: float, bar, task
         return
     fits = budget_horizon(cfg.time_budget, elapsed, step, run.schedule.total, getattr(cfg, "min_steps", 0))
     run.schedule.total = from_main(run.accelerator, fits)
-    bar.update(task, total=run.schedule.total)
+    task.resize(run.schedule.total)
 
 
-def _evaluate(cfg: TrainConfig, run: Run, result: TrainResult, step: int, last: bool) -> None:
-    """Every --eval-every steps and at the end, where there is validation data: loss and perplexity, logged."""
+def _evaluate(cfg: TrainConfig, run: Run, result: TrainResult, step: int, last: bool, bar: Progress) -> None:
+    """Every --eval-every steps and at the end, where there is validation data: loss and perplexity on the first
+    --eval-batches batches of the split (0: all of it), logged. A bar while it runs; in a log file, lines only when
+    it runs longer than the progress interval."""
     if not run.data.valid or not (last or (cfg.eval_every and step % cfg.eval_every == 0)):
         return
     acc = run.accelerator
     unwrapped = acc.unwrap_model(run.model)
+    batches = eval_rounds(len(run.data.valid), run.batch_size, cfg.eval_batches, acc.num_processes)
+    task = bar.task("evaluate", batches, first=False)
     # graphed layers are recorded for training; evaluation (no gradients) runs them eagerly
     with eager_layers(unwrapped) if run.graphed else nullcontext():
         ev = evaluate(unwrapped, run.data.valid, run.batch_size, cfg.eval_batches, run.pad_id,
-                      (acc.process_index, acc.num_processes), lambda v: all_sum(acc, v))
+                      (acc.process_index, acc.num_processes), lambda v: all_sum(acc, v), task.advance,
+                      run.applied.loss or loss_sum)
+    task.remove()
     result.evals.append((step, ev))
     run.log.write("eval", step=step, val_loss=ev.loss, val_ppl=ev.perplexity, val_tokens=ev.tokens)
     run.model.train()
@@ -905,8 +967,8 @@ def _halve_batch(device: torch.device, step: int, batch_size: int, examples: int
     new = batch_size // 2
     accum = -(-examples // new)
     if progress:
-        bar.console.print(f"tunesmith: out of memory at step {step + 1}: micro-batch {batch_size} -> {new}, "
-                          f"grad-accum -> {accum} (effective batch {examples} unchanged); redoing the step")
+        bar.note(f"out of memory at step {step + 1}: micro-batch {batch_size} -> {new}, grad-accum -> {accum} "
+                 f"(effective batch {examples} unchanged); redoing the step")
     log.write("oom", step=step + 1, batch_size=new, grad_accum=accum)
     return new
 
@@ -967,22 +1029,11 @@ def _plan_memory(cfg: TrainConfig, device: torch.device, precision: str, model, 
     return fit.setup.batch_size
 
 
+def _precision(accelerator) -> str:
+    mixed = accelerator.mixed_precision
+    return "fp32" if mixed in (None, "no") else str(mixed)
+
+
 def _note(enabled: bool, text: str) -> None:
     if enabled:
         print(f"tunesmith: {text}", file=sys.stderr, flush=True)
-
-
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TextColumn("{task.fields[tps]:.0f} tok/s"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-    )
