@@ -30,7 +30,6 @@ import torch
 
 from tunesmith import kernels
 from tunesmith.checkpoint import (
-    STATE,
     Checkpoint,
     Checkpointer,
     StopSignals,
@@ -43,6 +42,7 @@ from tunesmith.checkpoint import (
     restore_rng,
     restore_weights,
     rng_of,
+    verify,
 )
 from tunesmith.config import TrainConfig, save_config, to_dict
 from tunesmith.data import (
@@ -219,12 +219,12 @@ def finished_run(cfg: TrainConfig) -> str | None:
     if cfg.resume is not True or not what.is_dir() or not done:
         return None
     try:
-        state = json.loads((done[0][1] / STATE).read_text(encoding="utf-8"))
+        state = verify(done[0][1]).state  # a damaged newest checkpoint is the resume's to report and fall back from
         saved = state.get("config", {})
         finished = state["step"] >= state["schedule_total"] and all(
             saved.get(k) == getattr(cfg, k) for k in ("max_steps", "epochs", "time_budget"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the resume itself reports a damaged checkpoint
+    except (OSError, ValueError, KeyError, TypeError, TunesmithError):
+        return None
     if not finished:
         return None
     return (f"{run_dir} is finished ({state['step']} of {state['schedule_total']} steps; {what.name} in {what}); "
