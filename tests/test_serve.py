@@ -291,7 +291,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny_dir, adapters):
     the first answer stopped long before its max_tokens."""
     cfg = ServeConfig(model=str(tiny_dir), adapter=[f"poet={adapters['poet']}"], device="cpu")
     served = load_served(cfg)
-    served.model.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    served.model.get_input_embeddings().register_forward_pre_hook(lambda *_: time.sleep(0.02))  # each step
     engine = Engine(served.model, served.tokenizer, parallel=1)
     with running(build_app(served, engine)) as url:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
