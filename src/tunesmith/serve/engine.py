@@ -135,13 +135,14 @@ class Engine:
                         self._end(job, "cancelled", None)
                     self._waiting.clear()
                     return
+            for row in [row for row in active if row.job.cancelled.is_set()]:
+                self._leave(row, active, free, "cancelled", None)
+            with self._wake:
                 joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
             for job in joining:  # between steps: the next in line take the free slots
                 row = self._join(job, free)
                 if row is not None:
                     active.append(row)
-            for row in [row for row in active if row.job.cancelled.is_set()]:
-                self._leave(row, active, free, "cancelled", None)
             if active:
                 self._step(active, free)
 
