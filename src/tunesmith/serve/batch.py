@@ -73,7 +73,7 @@ class StackedLora:
         y = self.base(x)
         mask = masks[self.layout] if self.layout >= 0 else None
         if mask is not None:
-            y = y + ((x @ self.a) * mask) @ self.b
+            y = torch.addmm(y, (x @ self.a).mul_(mask), self.b)
         return y
 
 
