@@ -15,9 +15,10 @@ with one request, then asked:
 Per client: time to first token, decode tokens/s (completion tokens after the first / time from the first text
 chunk to the last) and whether its answer equals what the same (prompt, model) got alone. In total: completion
 tokens of all clients / wall time from the first request to the last answer; "x alone" divides that by the same
-figure for the alone requests (tokens / the sum of their times). --reference-src starts a second server from another
-checkout's src/ (the code before a change, say) and measures its alone requests on the base, in the same run:
-compare its decode tok/s per client with "alone, base only".
+figure for the alone requests (tokens / the sum of their times). --reference-src starts a second server beside the
+first from another checkout's src/ (the code before a change, say), and asks it each base request alone right after
+the first server answers it, so that the two single streams meet the same load on a shared machine: compare its
+decode tok/s per client with "alone, base only".
 """
 
 from __future__ import annotations
@@ -112,15 +113,20 @@ async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> 
             "tps": (tokens - 1) / (end - first) if first and end > first and tokens > 1 else 0.0}
 
 
-async def measure(url: str, runs: dict[str, list[tuple[str, str]]], max_tokens: int, together: bool = True) -> dict:
-    """For each run (name -> (model, prompt) per client): every distinct request alone, then each run together."""
+async def measure(url: str, runs: dict[str, list[tuple[str, str]]], max_tokens: int, reference: str = "") -> dict:
+    """For each run (name -> (model, prompt) per client): every distinct request alone (and each base request alone
+    on the reference server, right after), then each run together."""
     client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-    await one(client, runs["base"][0][0], "Hello!", 8)  # warm-up: first-call allocations, lazy imports
-    alone = {}
+    ref = AsyncOpenAI(base_url=reference, api_key="unused", max_retries=0, timeout=600) if reference else None
+    for c in (client, ref) if ref else (client,):
+        await one(c, runs["base"][0][0], "Hello!", 8)  # warm-up: first-call allocations, lazy imports
+    alone, out = {}, {"reference": []}
     for pair in dict.fromkeys(p for pairs in runs.values() for p in pairs):
         alone[pair] = await one(client, *pair, max_tokens)
-    out = {"alone": alone}
-    for name, pairs in runs.items() if together else ():
+        if ref and pair in runs["base"]:
+            out["reference"].append(await one(ref, *pair, max_tokens))
+    out["alone"] = alone
+    for name, pairs in runs.items():
         start = time.perf_counter()
         rows = await asyncio.gather(*(one(client, m, p, max_tokens) for m, p in pairs))
         out[name] = {"rows": rows, "wall": time.perf_counter() - start}
@@ -167,16 +173,23 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(args.model, Path(tmp))
-        raw = serve_and_measure(args.model, args.clients, adapters, runs, args.max_tokens)
-        ref = (serve_and_measure(args.model, 1, [], {"base": runs["base"]}, args.max_tokens, args.reference_src)
-               if args.reference_src else None)
+        servers = [start_server(args.model, args.clients, adapters)]
+        if args.reference_src:
+            servers.append(start_server(args.model, 1, [], args.reference_src))
+        try:
+            raw = asyncio.run(measure(servers[0][1], runs, args.max_tokens, servers[-1][1] if len(servers) > 1
+                                      else ""))
+        finally:
+            for proc, _ in servers:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
 
     results = {"alone": summary(list(raw["alone"].values())),
                "alone, base only": summary([raw["alone"][pair] for pair in runs["base"]])}
     for name in runs:
         results[f"{name} together"] = summary(raw[name]["rows"], raw[name]["wall"], raw["alone"])
-    if ref:
-        results["alone, base only, --reference-src"] = summary(list(ref["alone"].values()))
+    if raw["reference"]:
+        results["alone, base only, --reference-src"] = summary(raw["reference"], None, raw["alone"])
     print(f"\n{args.model}, {args.clients} streaming chat clients, greedy, max_tokens {args.max_tokens}, "
           f"mixed: {' / '.join(models)} in turn; {platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"CPUs, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}\n")
@@ -184,18 +197,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "clients": args.clients, "max_tokens": args.max_tokens,
-                       "results": results, "rows": {k: v["rows"] for k, v in raw.items() if k != "alone"}}, f,
+                       "results": results, "rows": {k: v["rows"] for k, v in raw.items() if k in runs}}, f,
                       indent=2)
-
-
-def serve_and_measure(model: str, parallel: int, adapters: list[str], runs: dict, max_tokens: int,
-                      src: str | None = None) -> dict:
-    proc, url = start_server(model, parallel, adapters, src)
-    try:
-        return asyncio.run(measure(url, runs, max_tokens, together=src is None))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
 
 
 if __name__ == "__main__":

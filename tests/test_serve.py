@@ -246,11 +246,14 @@ def served_tiny(tiny_dir, adapters):
                                    device="cpu"))
 
 
-def test_batched_logits_are_each_rows_own_forward_with_its_adapter(served_tiny):
+def test_batched_logits_are_each_rows_own_forward_with_its_adapter(served_tiny, monkeypatch):
     """The invariant under the engine: one forward over rows at different positions, in different slots, with
-    different adapters (or none) gives each row the logits of the model's own forward for that row alone."""
+    different adapters (or none) gives each row the logits of the model's own forward for that row alone (through
+    a cache that starts at 4 positions and grows as the rows need)."""
+    from tunesmith.serve import batch
     from tunesmith.serve.batch import BatchedLM
 
+    monkeypatch.setattr(batch, "FIRST_LENGTH", 4)
     model, tok = served_tiny.model, served_tiny.tokenizer
     lm = BatchedLM(model, slots=4, context=64)
     prompts = [tok(p)["input_ids"] for p in ("ROMEO: But soft", "JULIET:", "First Citizen: Before we proceed")]
@@ -264,6 +267,7 @@ def test_batched_logits_are_each_rows_own_forward_with_its_adapter(served_tiny):
             ref = model(input_ids=torch.tensor([ids + [5]])).logits[0, -2:]
         torch.testing.assert_close(prefill[i], ref[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(step[i], ref[1], rtol=0, atol=1e-5)
+    assert 4 < lm.keys.shape[2] <= 64
 
 
 def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served_tiny):

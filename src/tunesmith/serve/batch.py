@@ -7,9 +7,12 @@ base or a bias works as it does in the model. The tokens of a step are packed on
 a row that prefills a chunk of its prompt and rows that decode one token each cost what their tokens cost, with no
 padding, except in attention, where each row's queries meet its own slot of the cache.
 
-The KV cache is one static tensor per layer, [slots, context, kv heads, head dim]; a row writes its keys and
-values at its own positions. It is allocated once (`torch.empty`: pages the OS backs only when written) and zeroed
-a block at a time as rows reach further, so memory grows with the longest answers, never per token.
+The KV cache is one static tensor, [layers, slots, length, kv heads, head dim]; a row writes its keys and values
+at its own positions. It is allocated once for `FIRST_LENGTH` positions (or the context, if shorter) and doubled,
+up to the context, in the rare step where a row needs more: a model with a long context does not reserve it all
+for every slot up front. On the CPU `torch.empty` is backed by the OS only where written; positions are zeroed a
+block at a time as rows reach them, so resident memory follows the longest answers, and nothing is allocated per
+token.
 
 LoRA: every adapter's A of one linear stacked by rank ([in, sum of ranks]) and every B beside it ([sum of ranks,
 out]); a per-token mask keeps the columns of the token's own adapter, times its scale, and zeroes the rest, so
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ZERO_BLOCK = 256  # cache positions zeroed at a time, ahead of the rows that will read them
+FIRST_LENGTH = 4096  # cache positions per slot at first; doubled (up to the context) when a row needs more
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 
@@ -107,10 +111,10 @@ class BatchedLM:
         self.layouts = [columns for _, columns in sorted(layouts.values(), key=lambda v: v[0])]
         attn = inner.model.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        weight = inner.model.embed_tokens.weight
-        shape = (len(self.layers), slots, context, self.config.num_key_value_heads, self.head_dim)
-        self.keys = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-        self.values = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        self.context = context
+        weight = inner.model.embed_tokens.weight  # its dtype and device (it may be a quantized tensor subclass)
+        self.keys = self.values = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        self._grow(slots, min(context, FIRST_LENGTH))
         self.clean = [0] * slots  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
 
     def adapter_index(self, name: str | None) -> int:
@@ -121,6 +125,8 @@ class BatchedLM:
         """rows: (slot, new tokens, tokens already cached, adapter index); want: whether a row needs the logits
         after its last new token. Returns those logits, [rows wanting them, vocab], in row order."""
         step = self._plan(rows, want)
+        if step.length > self.keys.shape[2]:
+            self._grow(self.keys.shape[1], min(self.context, max(2 * self.keys.shape[2], step.length)))
         for slot in (s for s, *_ in rows):
             self._zero_ahead(slot, step.length)
         masks = [None] * len(self.layouts)
@@ -188,6 +194,15 @@ class BatchedLM:
             mask=mask[:, None], logits_at=torch.tensor([e for e, w in zip(ends, want, strict=True) if w],
                                                        device=device, dtype=torch.long),
             width=width, length=length)
+
+    def _grow(self, slots: int, length: int) -> None:
+        """A cache of `length` positions per slot, holding what the current one holds."""
+        shape = (len(self.layers), slots, length, self.config.num_key_value_heads, self.head_dim)
+        keys, values = self.keys.new_empty(shape), self.values.new_empty(shape)
+        if self.keys.numel():
+            keys[:, :, : self.keys.shape[2]] = self.keys
+            values[:, :, : self.values.shape[2]] = self.values
+        self.keys, self.values = keys, values
 
     def _zero_ahead(self, slot: int, length: int) -> None:
         """Attention reads every slot up to the longest row's length: what a shorter row has not written must be
