@@ -362,8 +362,9 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_dir):
     body = json.dumps({"model": tiny_dir.name, "prompt": "ROMEO:", "max_tokens": 3}).encode()
     with running(build_app(served, engine)) as url:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
-        stream = client.completions.create(model=tiny_dir.name, prompt="ROMEO:", max_tokens=400, stream=True)
-        next(iter(stream))  # it holds the one slot
+        stream = client.completions.create(model=tiny_dir.name, prompt="ROMEO:", max_tokens=400, temperature=0,
+                                           stream=True)
+        next(iter(stream))  # it holds the one slot (greedy, this prompt runs to 400 tokens)
         waiting = threading.Thread(target=raw, args=(url, "/completions", body, None))
         waiting.start()
         deadline = time.monotonic() + 10
