@@ -144,7 +144,7 @@ def test_without_max_tokens_the_server_default_applies(client):
 
 
 def test_eight_clients_at_once_are_all_answered_as_each_would_be_alone(client, tiny_dir):
-    """The base and both adapters interleaved token by token: each answer is still the one it gets alone."""
+    """The base and both adapters batched into the same forward steps: each answer is still the one it gets alone."""
     prompts = [f"Speaker {i}:" for i in range(8)]
     models = [[tiny_dir.name, "poet", "clerk"][i % 3] for i in range(8)]
     alone = [client.completions.create(model=m, prompt=p, temperature=0, max_tokens=10).choices[0].text
@@ -618,3 +618,27 @@ def test_a_port_in_use_is_one_clear_error():
     with pytest.raises(TunesmithError, match=r"cannot listen on 127\.0\.0\.1:\d+ .*pick another --port"):
         listen("127.0.0.1", taken.getsockname()[1])
     taken.close()
+
+
+def test_a_qlora_adapter_over_its_quantized_base_is_batched_with_the_models_own_logits(tmp_path, tiny_dir,
+                                                                                        text_file):
+    """QLoRA: the base's linears are quantized modules under PEFT's LoRA; the batched forward calls them as they
+    are, so a row's logits are still the model's own."""
+    from tests.conftest import tiny_train_config
+    from tunesmith.serve.batch import BatchedLM, unsupported
+    from tunesmith.train import train
+
+    run = train(tiny_train_config(tmp_path, tiny_dir, text_file, quantize_base="nf4", max_steps=2,
+                                  checkpoint_every=0), progress=False)
+    served = load_served(ServeConfig(adapter=[f"q={run.adapter_dir}"], device="cpu"), progress=False)
+    model, tok = served.model, served.tokenizer
+    assert unsupported(model) is None
+    lm = BatchedLM(model, slots=2, context=64)
+    ids = tok("ROMEO: But soft")["input_ids"]
+    got = lm.forward([(1, ids, 0, lm.adapter_index("q")), (0, ids, 0, 0)], [True, True])
+    with torch.no_grad():
+        adapted = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        with model.disable_adapter():
+            base = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(got[0], adapted, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got[1], base, rtol=0, atol=1e-4)
