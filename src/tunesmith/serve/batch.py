@@ -102,6 +102,9 @@ class BatchedLM:
     """The model as one batched forward over rows in cache slots; see the module's docstring."""
 
     def __init__(self, model: torch.nn.Module, slots: int, context: int):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's too
+
+        self.rope = apply_rotary_pos_emb
         inner = model.get_base_model() if hasattr(model, "peft_config") else model
         self.inner, self.config = inner, inner.config
         self.adapters: list[str | None] = [None, *getattr(model, "peft_config", {})]
@@ -143,14 +146,12 @@ class BatchedLM:
         return self.inner.lm_head(x).float()
 
     def _layer(self, i: int, layer, linears: list[StackedLora], x, cos, sin, step: Step, masks) -> torch.Tensor:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         q_proj, k_proj, v_proj, o_proj, gate, up, down = linears
         n, d = x.shape[0], self.head_dim
         h = layer.input_layernorm(x)
         q, k = q_proj(h, masks).view(n, -1, d), k_proj(h, masks).view(n, -1, d)
         v = v_proj(h, masks).view(n, -1, d)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
         self.keys[i].index_put_((step.token_slots, step.positions), k)
         self.values[i].index_put_((step.token_slots, step.positions), v)
         keys = self.keys[i, :, : step.length].index_select(0, step.slots).transpose(1, 2)  # [B, kv heads, L, d]
@@ -169,6 +170,7 @@ class BatchedLM:
         return x + down(layer.mlp.act_fn(gate(h, masks)) * up(h, masks), masks)
 
     def _plan(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> Step:
+        """The step's index tensors, built once and shared by every layer."""
         device = self.keys.device
         counts = [len(tokens) for _, tokens, _, _ in rows]
         ids = [t for _, tokens, _, _ in rows for t in tokens]
