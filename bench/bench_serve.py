@@ -8,7 +8,8 @@ One server (`tunesmith serve --port 0 --parallel CLIENTS`, its own process) with
 run (rank 16 on every linear of every layer, B drawn small and non-zero, so each answers its own way). It is warmed
 with one request, then asked:
 
-- alone: each (prompt, model) of the runs below, one request at a time (the reference: what a single user gets);
+- alone: each (prompt, model) of the runs below, one request at a time (the reference: what a single user gets),
+  half of them before the two runs together and half after (the load of a shared machine drifts);
 - base together: CLIENTS clients at once, each a different prompt, all on the base;
 - mixed together: the same prompts at once, the models in turn base, adapter a, adapter b.
 
@@ -115,21 +116,27 @@ async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> 
 
 async def measure(url: str, runs: dict[str, list[tuple[str, str]]], max_tokens: int, reference: str = "") -> dict:
     """For each run (name -> (model, prompt) per client): every distinct request alone (and each base request alone
-    on the reference server, right after), then each run together."""
+    on the reference server, right after), half of them before the runs together and half after, so that a load
+    that drifts during the benchmark weighs on both sides alike."""
     client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     ref = AsyncOpenAI(base_url=reference, api_key="unused", max_retries=0, timeout=600) if reference else None
     for c in (client, ref) if ref else (client,):
         await one(c, runs["base"][0][0], "Hello!", 8)  # warm-up: first-call allocations, lazy imports
-    alone, out = {}, {"reference": []}
-    for pair in dict.fromkeys(p for pairs in runs.values() for p in pairs):
-        alone[pair] = await one(client, *pair, max_tokens)
-        if ref and pair in runs["base"]:
-            out["reference"].append(await one(ref, *pair, max_tokens))
-    out["alone"] = alone
-    for name, pairs in runs.items():
+    out = {"alone": {}, "reference": []}
+    pairs = list(dict.fromkeys(p for pairs in runs.values() for p in pairs))
+
+    async def alone(half):
+        for pair in half:
+            out["alone"][pair] = await one(client, *pair, max_tokens)
+            if ref and pair in runs["base"]:
+                out["reference"].append(await one(ref, *pair, max_tokens))
+
+    await alone(pairs[::2])
+    for name, together in runs.items():
         start = time.perf_counter()
-        rows = await asyncio.gather(*(one(client, m, p, max_tokens) for m, p in pairs))
+        rows = await asyncio.gather(*(one(client, m, p, max_tokens) for m, p in together))
         out[name] = {"rows": rows, "wall": time.perf_counter() - start}
+    await alone(pairs[1::2])
     await client.close()
     return out
 
@@ -184,7 +191,7 @@ def main() -> None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
 
-    results = {"alone": summary(list(raw["alone"].values())),
+    results = {"alone": summary([raw["alone"][pair] for pair in dict.fromkeys(p for v in runs.values() for p in v)]),
                "alone, base only": summary([raw["alone"][pair] for pair in runs["base"]])}
     for name in runs:
         results[f"{name} together"] = summary(raw[name]["rows"], raw[name]["wall"], raw["alone"])
