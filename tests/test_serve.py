@@ -6,6 +6,7 @@ from folders through the same `load_served` the verb uses. Greedy answers must b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -143,7 +144,7 @@ def test_without_max_tokens_the_server_default_applies(client):
 
 
 def test_eight_clients_at_once_are_all_answered_as_each_would_be_alone(client, tiny_dir):
-    """The base and both adapters interleaved token by token: each answer is still the one it gets alone."""
+    """The base and both adapters batched into the same forward steps: each answer is still the one it gets alone."""
     prompts = [f"Speaker {i}:" for i in range(8)]
     models = [[tiny_dir.name, "poet", "clerk"][i % 3] for i in range(8)]
     alone = [client.completions.create(model=m, prompt=p, temperature=0, max_tokens=10).choices[0].text
@@ -163,9 +164,9 @@ def test_eight_clients_at_once_are_all_answered_as_each_would_be_alone(client, t
     assert answers == alone
 
 
-def test_the_queue_is_first_come_first_served_and_running_answers_take_turns(tiny_model, tokenizer):
-    """Two slots, four requests: the first two alternate a token each, the last two wait, then alternate; a request
-    cancelled while it waits is never started."""
+def test_the_queue_is_first_come_first_served_and_running_answers_step_together(tiny_model, tokenizer):
+    """Two slots, four requests: the first two get a token each per step, the last two wait, then do the same; a
+    request cancelled while it waits is never started."""
     from tunesmith.generate import encode_prompt
     from tunesmith.serve.engine import Job
 
@@ -189,6 +190,216 @@ def test_the_queue_is_first_come_first_served_and_running_answers_take_turns(tin
     engine.close()
     assert order == [0, 1] * 4 + [2, 3] * 4
     assert [(f.tokens, f.reason) for f in engine.finished] == [(4, "length")] * 4 + [(0, "cancelled")]
+    assert engine.steps == 8  # one forward per step for both rows
+
+
+# ------------------------------------------------------------------------------------- the batched engine
+
+
+def alone(model, tokenizer, adapter, ids, max_tokens, temperature=0.0, seed=0, stop=()):
+    """The answer the model's own forward gives for one request alone (as `tunesmith generate` runs it)."""
+    from tunesmith.generate import stream_tokens
+
+    def text():
+        return "".join(r.text for r in stream_tokens(model, tokenizer, ids, max_tokens, temperature, 1.0, seed, stop))
+
+    if adapter is None:
+        with model.disable_adapter():
+            return text()
+    model.set_adapter(adapter)
+    return text()
+
+
+class Recorder:
+    """Jobs for an engine, and what each emitted: (engine step, text) per token, then how it ended."""
+
+    def __init__(self, engine):
+        self.engine, self.tokens, self.ended, self.done = engine, {}, {}, threading.Semaphore(0)
+
+    def job(self, key, adapter, ids, max_tokens, temperature=0.0, seed=0, stop=(), on_token=None):
+        from tunesmith.serve.engine import Job
+
+        self.tokens[key] = []
+
+        def emit(item):
+            if item is None or isinstance(item, BaseException):
+                self.ended[key] = item
+                self.done.release()
+                return
+            self.tokens[key].append((self.engine.steps, item.text))
+            if on_token:
+                on_token(item)
+
+        return Job(adapter, list(ids), max_tokens, temperature, 1.0, seed, list(stop), emit)
+
+    def text(self, key):
+        return "".join(t for _, t in self.tokens[key])
+
+    def wait(self, n):
+        for _ in range(n):
+            assert self.done.acquire(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served_tiny(tiny_dir, adapters):
+    return load_served(ServeConfig(model=str(tiny_dir), adapter=[f"{n}={p}" for n, p in adapters.items()],
+                                   device="cpu"))
+
+
+def test_batched_logits_are_each_rows_own_forward_with_its_adapter(served_tiny, monkeypatch):
+    """The invariant under the engine: one forward over rows at different positions, in different slots, with
+    different adapters (or none) gives each row the logits of the model's own forward for that row alone (through
+    a cache that starts at 4 positions and grows as the rows need)."""
+    from tunesmith.serve import batch
+    from tunesmith.serve.batch import BatchedLM
+
+    monkeypatch.setattr(batch, "FIRST_LENGTH", 4)
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    lm = BatchedLM(model, slots=4, context=64)
+    prompts = [tok(p)["input_ids"] for p in ("ROMEO: But soft", "JULIET:", "First Citizen: Before we proceed")]
+    adapters = [None, "poet", "clerk"]
+    rows = [(slot, ids, 0, lm.adapter_index(a)) for slot, ids, a in zip((2, 0, 3), prompts, adapters, strict=True)]
+    prefill = lm.forward(rows, [True] * 3)
+    step = lm.forward([(slot, [5], len(ids), a) for slot, ids, _, a in rows], [True] * 3)
+    for i, (ids, adapter) in enumerate(zip(prompts, adapters, strict=True)):
+        ctx = model.disable_adapter() if adapter is None else contextlib.nullcontext(model.set_adapter(adapter))
+        with ctx, torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids + [5]])).logits[0, -2:]
+        torch.testing.assert_close(prefill[i], ref[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(step[i], ref[1], rtol=0, atol=1e-5)
+    assert 4 < lm.keys.shape[2] <= 64
+
+
+def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served_tiny):
+    """Nine requests over three slots: prompts of different lengths, prefilled in chunks of 8, rows joining as
+    others leave, greedy, sampled with a seed and cut by a stop string; each answer is the one it gets alone."""
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    engine = Engine(model, tok, parallel=3, prefill_chunk=8)
+    rec = Recorder(engine)
+    prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore art thou Romeo?" * 2, "Speaker 3:"] * 3
+    specs = [dict(adapter=[None, "poet", "clerk"][i % 3], ids=tok(p)["input_ids"], max_tokens=6 + 2 * i)
+             for i, p in enumerate(prompts)]
+    specs[4] |= dict(temperature=0.9, seed=7)
+    specs[5] |= dict(temperature=1.0, seed=3)
+    greedy = alone(model, tok, specs[7]["adapter"], specs[7]["ids"], specs[7]["max_tokens"])
+    specs[7] |= dict(stop=[greedy[3:5]])
+    expected = [alone(model, tok, **spec) for spec in specs]
+    engine.start()
+    for i, spec in enumerate(specs):
+        engine.submit(rec.job(i, **spec))
+    rec.wait(len(specs))
+    engine.close()
+    assert [rec.text(i) for i in range(len(specs))] == expected
+    assert expected[7] == greedy[:3] and rec.ended == {i: None for i in range(len(specs))}
+    assert engine.steps < sum(len(t) for t in rec.tokens.values())  # rows shared forwards
+
+
+def test_a_long_prompt_joins_while_others_decode(served_tiny):
+    """A 100-token prompt arrives while two answers decode: it is read 8 tokens a step, and the two others get a
+    token at every one of those steps (no stall); its answer is the one it gets alone."""
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    engine = Engine(model, tok, parallel=3, prefill_chunk=8)
+    rec = Recorder(engine)
+    long_ids = (tok("ROMEO: But soft, what light through yonder window breaks? " * 8)["input_ids"])[:100]
+    joined = threading.Event()
+
+    def join_once(r):
+        if r.generated_tokens == 2 and not joined.is_set():
+            joined.set()
+            engine.submit(rec.job("long", "clerk", long_ids, 5))
+
+    engine.start()
+    engine.submit(rec.job("a", None, tok("JULIET:")["input_ids"], 40, on_token=join_once))
+    engine.submit(rec.job("b", "poet", tok("Speaker 1:")["input_ids"], 40))
+    rec.wait(3)
+    engine.close()
+    for key in ("a", "b"):
+        steps = [s for s, _ in rec.tokens[key]]
+        assert steps == list(range(steps[0], steps[0] + 40)), key  # a token every step, from first to last
+    first_long = rec.tokens["long"][0][0]
+    assert first_long - rec.tokens["a"][1][0] >= 100 // 8  # it took its chunks, while a and b went on
+    assert rec.text("long") == alone(model, tok, "clerk", long_ids, 5)
+
+
+def test_a_cancelled_answer_leaves_its_slot_at_once(served_tiny):
+    """One slot: the answer cancelled after its second token ends there, and the one waiting starts."""
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    engine = Engine(model, tok, parallel=1)
+    rec = Recorder(engine)
+
+    def cancel_after_two(r):
+        if r.generated_tokens == 2:
+            first.cancelled.set()
+
+    first = rec.job("first", "poet", tok("ROMEO:")["input_ids"], 50, on_token=cancel_after_two)
+    engine.submit(first)
+    engine.submit(rec.job("next", None, tok("JULIET:")["input_ids"], 6))
+    engine.start()
+    rec.wait(2)
+    engine.close()
+    assert [(f.adapter, f.tokens, f.reason) for f in engine.finished][:1] == [("poet", 2, "cancelled")]
+    assert rec.tokens["next"][0][0] == rec.tokens["first"][-1][0] + 1  # it started at the very next step
+    assert rec.text("next") == alone(model, tok, None, tok("JULIET:")["input_ids"], 6)
+
+
+def test_the_queue_is_bounded(tiny_model, tokenizer):
+    from tunesmith.serve.engine import Job, QueueFull
+
+    engine = Engine(tiny_model, tokenizer, parallel=2)  # not started: every request waits
+    jobs = [Job(None, [1, 2], 2, 0.0, 1.0, 0, [], lambda _: None) for _ in range(9)]
+    for job in jobs[:8]:
+        engine.submit(job)  # four waiting per slot
+    with pytest.raises(QueueFull, match="2 requests are being answered and 8 are waiting"):
+        engine.submit(jobs[8])
+
+
+def test_a_full_queue_answers_429_with_retry_after(tiny_dir):
+    """One slot, one place in the queue: a third request is refused at once with OpenAI's error body and a
+    Retry-After, and the server goes on answering."""
+    served = load_served(ServeConfig(model=str(tiny_dir), device="cpu"))
+    served.model.get_input_embeddings().register_forward_pre_hook(lambda *_: time.sleep(0.02))  # each step
+    engine = Engine(served.model, served.tokenizer, parallel=1, max_waiting=1)
+    body = json.dumps({"model": tiny_dir.name, "prompt": "ROMEO:", "max_tokens": 3}).encode()
+    with running(build_app(served, engine)) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
+        stream = client.completions.create(model=tiny_dir.name, prompt="ROMEO:", max_tokens=400, temperature=0,
+                                           stream=True)
+        next(iter(stream))  # it holds the one slot (greedy, this prompt runs to 400 tokens)
+        waiting = threading.Thread(target=raw, args=(url, "/completions", body, None))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while not engine._waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        request = urllib.request.Request(url + "/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        stream.close()
+        waiting.join(30)
+        assert raw(url, "/completions", body, None)[0] == 200
+    assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
+    error = json.loads(refused.value.read())["error"]
+    assert error["code"] == "queue_full" and "busy" in error["message"]
+
+
+def test_a_model_the_batched_forward_cannot_run_is_served_row_by_row(tiny_model, tokenizer):
+    """A DoRA adapter is not a plain B @ A: the engine falls back to each row's own forward, and answers alike."""
+    from tunesmith.lora import attach_lora
+    from tunesmith.serve.batch import PerRow, unsupported
+
+    model = attach_lora(tiny_model, rank=4, dora=True).eval()
+    assert "DoRA" in unsupported(model)
+    engine = Engine(model, tokenizer, parallel=2, prefill_chunk=4)
+    rec = Recorder(engine)
+    ids = [tokenizer(p)["input_ids"] for p in ("ROMEO:", "JULIET: O Romeo", "Speaker 2:")]
+    engine.start()
+    assert isinstance(engine._runner, PerRow)
+    for i, (a, x) in enumerate(zip(["default", None, "default"], ids, strict=True)):
+        engine.submit(rec.job(i, a, x, 8))
+    rec.wait(3)
+    engine.close()
+    assert [rec.text(i) for i in range(3)] == [alone(model, tokenizer, a, x, 8)
+                                               for a, x in zip(["default", None, "default"], ids, strict=True)]
 
 
 def test_served_models_come_from_the_adapters_record_or_a_quantized_folder(tiny_dir, adapters, tmp_path):
@@ -291,7 +502,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny_dir, adapters):
     the first answer stopped long before its max_tokens."""
     cfg = ServeConfig(model=str(tiny_dir), adapter=[f"poet={adapters['poet']}"], device="cpu")
     served = load_served(cfg)
-    served.model.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    served.model.get_input_embeddings().register_forward_pre_hook(lambda *_: time.sleep(0.02))  # each step
     engine = Engine(served.model, served.tokenizer, parallel=1)
     with running(build_app(served, engine)) as url:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
@@ -407,3 +618,27 @@ def test_a_port_in_use_is_one_clear_error():
     with pytest.raises(TunesmithError, match=r"cannot listen on 127\.0\.0\.1:\d+ .*pick another --port"):
         listen("127.0.0.1", taken.getsockname()[1])
     taken.close()
+
+
+def test_a_qlora_adapter_over_its_quantized_base_is_batched_with_the_models_own_logits(tmp_path, tiny_dir,
+                                                                                        text_file):
+    """QLoRA: the base's linears are quantized modules under PEFT's LoRA; the batched forward calls them as they
+    are, so a row's logits are still the model's own."""
+    from tests.conftest import tiny_train_config
+    from tunesmith.serve.batch import BatchedLM, unsupported
+    from tunesmith.train import train
+
+    run = train(tiny_train_config(tmp_path, tiny_dir, text_file, quantize_base="nf4", max_steps=2,
+                                  checkpoint_every=0), progress=False)
+    served = load_served(ServeConfig(adapter=[f"q={run.adapter_dir}"], device="cpu"), progress=False)
+    model, tok = served.model, served.tokenizer
+    assert unsupported(model) is None
+    lm = BatchedLM(model, slots=2, context=64)
+    ids = tok("ROMEO: But soft")["input_ids"]
+    got = lm.forward([(1, ids, 0, lm.adapter_index("q")), (0, ids, 0, 0)], [True, True])
+    with torch.no_grad():
+        adapted = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        with model.disable_adapter():
+            base = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(got[0], adapted, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got[1], base, rtol=0, atol=1e-4)

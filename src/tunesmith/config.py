@@ -386,8 +386,9 @@ class ServeConfig(Config):
     api_key: str = opt("", "require this bearer token (Authorization: Bearer KEY) on every request (empty: none)")
     max_tokens: int = opt(512, "tokens an answer may have when the request gives no max_tokens (never past the "
                           "context)", bounds=AT_LEAST_1)
-    parallel: int = opt(8, "requests generated at once, a token each in turn; later ones wait in a first-come, "
-                        "first-served queue", bounds=AT_LEAST_1)
+    parallel: int = opt(8, "requests answered at once, batched into each forward step; later ones wait in a "
+                        "first-come, first-served queue of 4 per slot, and past that are refused (429, Retry-After)",
+                        bounds=AT_LEAST_1)
     device: str = same_as(ModelConfig, "device")
     precision: str = same_as(ModelConfig, "precision")
     trust_remote_code: bool = same_as(ModelConfig, "trust_remote_code")

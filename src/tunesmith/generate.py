@@ -82,6 +82,61 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class Answer:
+    """One answer's sampling, stop rule and streamed text, fed the logits after each token it adds: the part of
+    the decode loop that does not run the model, so a loop over one sequence (`decode`) and the server's batched
+    steps (serve.engine) answer alike.
+
+    A `stop` string ends the text before it (it is not part of the text); text that may be the start of one is held
+    back until the next tokens say whether it is."""
+
+    def __init__(self, tokenizer, prompt_tokens: int, stop_ids: Iterable[int], max_tokens: int = 100,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 peak_memory: Callable[[], int] = lambda: 0, stop: Iterable[str] = ()):
+        check_values(GenerateConfig, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        self.tokenizer, self.prompt_tokens, self.max_tokens = tokenizer, prompt_tokens, max_tokens
+        self.temperature, self.top_p, self.peak_memory = temperature, top_p, peak_memory
+        self.stop_tokens, self.stop_strings = set(stop_ids), [s for s in stop if s]
+        self.generator = torch.Generator().manual_seed(seed)
+        self.generated: list[int] = []
+        self.text_so_far = ""
+        self.start = time.perf_counter()  # the prefill begins now
+        self.prefill_s = self.decode_start = 0.0
+
+    def add(self, logits: torch.Tensor) -> GenerationResponse:
+        """The next token drawn from `logits` (those after the last token so far) and what it adds to the text."""
+        if not self.generated:
+            self.decode_start = time.perf_counter()
+            self.prefill_s = self.decode_start - self.start
+        token = sample_next(logits, self.temperature, self.top_p, self.generator)
+        self.generated.append(token)
+        n = len(self.generated)
+        finished = token in self.stop_tokens
+        reason = "stop" if finished else ("length" if n == self.max_tokens else None)
+        text = self.tokenizer.decode(self.generated[:-1] if finished else self.generated, skip_special_tokens=True)
+        cut = _stop_at(text, self.stop_strings, len(self.text_so_far))
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        # Hold back a trailing partial character (U+FFFD) until its next bytes arrive, and the start of a stop
+        # string until it is whole or broken, except at the end.
+        if not reason:
+            text = text[: len(text) - _held_back(text, self.stop_strings)]
+        if reason or not text.endswith("\ufffd"):
+            delta, self.text_so_far = text[len(self.text_so_far) :], text
+        else:
+            delta = ""
+        return GenerationResponse(
+            text=delta,
+            token=token,
+            generated_tokens=n,
+            prompt_tokens=self.prompt_tokens,
+            prompt_tps=self.prompt_tokens / max(self.prefill_s, 1e-9),
+            generation_tps=n / max(time.perf_counter() - self.decode_start, 1e-9),
+            peak_memory_bytes=self.peak_memory(),
+            finish_reason=reason,
+        )
+
+
 @torch.no_grad()
 def decode(
     next_logits: NextLogits,
@@ -96,51 +151,17 @@ def decode(
     stop: Iterable[str] = (),
 ) -> Iterator[GenerationResponse]:
     """The decode loop: prefill the prompt, then sample one token at a time until a stop token, a `stop` string or
-    max_tokens, yielding one GenerationResponse per token.
-
-    A `stop` string ends the text before it (it is not part of the text); text that may be the start of one is held
-    back until the next tokens say whether it is."""
-    check_values(GenerateConfig, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    max_tokens, yielding one GenerationResponse per token (the sampling and the text: `Answer`)."""
+    answer = Answer(tokenizer, len(prompt_ids), stop_ids, max_tokens, temperature, top_p, seed, peak_memory, stop)
     if not prompt_ids:
         raise TunesmithError("the prompt is empty")
-    stop_tokens, stop_strings = set(stop_ids), [s for s in stop if s]
-    generator = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
     logits = next_logits(prompt_ids, 0)
-    prefill_s = time.perf_counter() - start
-    generated: list[int] = []
-    text_so_far = ""
-    decode_start = time.perf_counter()
-    for n in range(1, max_tokens + 1):
-        token = sample_next(logits, temperature, top_p, generator)
-        generated.append(token)
-        finished = token in stop_tokens
-        reason = "stop" if finished else ("length" if n == max_tokens else None)
-        text = tokenizer.decode(generated[:-1] if finished else generated, skip_special_tokens=True)
-        cut = _stop_at(text, stop_strings, len(text_so_far))
-        if cut is not None:
-            text, reason = text[:cut], "stop"
-        # Hold back a trailing partial character (U+FFFD) until its next bytes arrive, and the start of a stop
-        # string until it is whole or broken, except at the end.
-        if not reason:
-            text = text[: len(text) - _held_back(text, stop_strings)]
-        if reason or not text.endswith("\ufffd"):
-            delta, text_so_far = text[len(text_so_far) :], text
-        else:
-            delta = ""
-        yield GenerationResponse(
-            text=delta,
-            token=token,
-            generated_tokens=n,
-            prompt_tokens=len(prompt_ids),
-            prompt_tps=len(prompt_ids) / max(prefill_s, 1e-9),
-            generation_tps=n / max(time.perf_counter() - decode_start, 1e-9),
-            peak_memory_bytes=peak_memory(),
-            finish_reason=reason,
-        )
-        if reason:
+    while True:
+        r = answer.add(logits)
+        yield r
+        if r.finish_reason:
             return
-        logits = next_logits([token], len(prompt_ids) + n - 1)
+        logits = next_logits([r.token], len(prompt_ids) + r.generated_tokens - 1)
 
 
 def _stop_at(text: str, stop: list[str], emitted: int) -> int | None:

@@ -2,8 +2,8 @@
 
 One copy of the base weights is loaded (a base, a merged folder or a `tunesmith quantize` folder, on cuda, mps or
 cpu); each --adapter is added to it as a PEFT named adapter, and a request's `model` field picks the base or an
-adapter by name. `engine` generates (one worker thread, a fair queue), `api` speaks HTTP (FastAPI on uvicorn:
-pip install 'tunesmith[serve]').
+adapter by name. `engine` generates (one worker thread, one batched forward per step for every running answer, a
+bounded first-come, first-served queue), `api` speaks HTTP (FastAPI on uvicorn: pip install 'tunesmith[serve]').
 """
 
 from __future__ import annotations

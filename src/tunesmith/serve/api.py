@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from tunesmith.errors import TunesmithError
 from tunesmith.generate import GenerationResponse, encode_messages, encode_prompt
-from tunesmith.serve.engine import Engine, Job, Served
+from tunesmith.serve.engine import Engine, Job, QueueFull, Served
 
 MAX_STOP = 4  # as OpenAI: up to four stop sequences
 
@@ -156,12 +156,14 @@ class ApiError(Exception):
     """A request this server will not answer, as OpenAI words it."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status)
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status,
+                            headers=self.headers)
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -222,9 +224,10 @@ def build_app(served: Served, engine: Engine, api_key: str = "", default_max_tok
             raise ApiError(400, str(e), "messages") from None
         job = _job(served, body, adapter, ids, body.max_completion_tokens or body.max_tokens, default_max_tokens)
         meta = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=body.model)
+        events = _submit(engine, job)
         if body.stream:
-            return _sse(_chat_chunks(engine, job, meta, _include_usage(body)))
-        text, last = await _collect(engine, job, request)
+            return _sse(_chat_chunks(job, events, meta, _include_usage(body)))
+        text, last = await _collect(job, events, request)
         return ChatCompletion(**meta, choices=[ChatChoice(message=ChatMessageOut(content=text),
                                                           finish_reason=last.finish_reason)], usage=_usage(last))
 
@@ -234,9 +237,10 @@ def build_app(served: Served, engine: Engine, api_key: str = "", default_max_tok
         ids = _prompt_ids(tokenizer, body.prompt)
         job = _job(served, body, adapter, ids, body.max_tokens, default_max_tokens)
         meta = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=body.model)
+        events = _submit(engine, job)
         if body.stream:
-            return _sse(_completion_chunks(engine, job, meta, _include_usage(body)))
-        text, last = await _collect(engine, job, request)
+            return _sse(_completion_chunks(job, events, meta, _include_usage(body)))
+        text, last = await _collect(job, events, request)
         return Completion(**meta, choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
                           usage=_usage(last))
 
@@ -352,12 +356,12 @@ def _usage(r: GenerationResponse) -> Usage:
 # ------------------------------------------------------------------------------------------------ answering it
 
 
-async def _events(engine: Engine, job: Job, request: Request | None) -> AsyncIterator[GenerationResponse]:
-    """Queue the job and yield its tokens as the worker makes them. However this ends (the answer is done, the
-    client went away, the server stops), the job is cancelled, so the worker drops it at its next turn.
+RETRY_AFTER_S = 1  # a refused request's Retry-After: a slot frees as soon as any answer ends
 
-    A stream is cancelled by Starlette when its client disconnects; a plain request has no such watcher, so it
-    asks (`request`) whenever no token has come for a while (queued behind others, say)."""
+
+def _submit(engine: Engine, job: Job) -> asyncio.Queue:
+    """Queue the job (before any answer starts, so a full queue is still a status: 429 with Retry-After); its
+    tokens arrive on the returned queue, from the worker's thread."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
@@ -366,7 +370,20 @@ async def _events(engine: Engine, job: Job, request: Request | None) -> AsyncIte
             loop.call_soon_threadsafe(events.put_nowait, item)
 
     job.emit = emit
-    engine.submit(job)
+    try:
+        engine.submit(job)
+    except QueueFull as e:
+        raise ApiError(429, f"The server is busy: {e}. Retry after {RETRY_AFTER_S} s.", type="server_error",
+                       code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    return events
+
+
+async def _events(job: Job, events: asyncio.Queue, request: Request | None) -> AsyncIterator[GenerationResponse]:
+    """Yield the job's tokens as the worker makes them. However this ends (the answer is done, the client went
+    away, the server stops), the job is cancelled, so the worker drops it before its next step.
+
+    A stream is cancelled by Starlette when its client disconnects; a plain request has no such watcher, so it
+    asks (`request`) whenever no token has come for a while (queued behind others, say)."""
     try:
         while True:
             try:
@@ -384,9 +401,9 @@ async def _events(engine: Engine, job: Job, request: Request | None) -> AsyncIte
         job.cancelled.set()
 
 
-async def _collect(engine: Engine, job: Job, request: Request) -> tuple[str, GenerationResponse]:
+async def _collect(job: Job, events: asyncio.Queue, request: Request) -> tuple[str, GenerationResponse]:
     parts, last = [], None
-    async for r in _events(engine, job, request):
+    async for r in _events(job, events, request):
         parts.append(r.text)
         last = r
     if last is None:  # the client left before its first token
@@ -407,10 +424,10 @@ def _sse(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _chat_chunks(engine: Engine, job: Job, meta: dict, include_usage: bool):
+async def _chat_chunks(job: Job, events: asyncio.Queue, meta: dict, include_usage: bool):
     yield ChatCompletionChunk(**meta, choices=[ChatChunkChoice(delta={"role": "assistant", "content": ""})])
     last = None
-    async for r in _events(engine, job, None):
+    async for r in _events(job, events, None):
         last = r
         if r.text:
             yield ChatCompletionChunk(**meta, choices=[ChatChunkChoice(delta={"content": r.text})])
@@ -420,9 +437,9 @@ async def _chat_chunks(engine: Engine, job: Job, meta: dict, include_usage: bool
             yield ChatCompletionChunk(**meta, choices=[], usage=_usage(last))
 
 
-async def _completion_chunks(engine: Engine, job: Job, meta: dict, include_usage: bool):
+async def _completion_chunks(job: Job, events: asyncio.Queue, meta: dict, include_usage: bool):
     last = None
-    async for r in _events(engine, job, None):
+    async for r in _events(job, events, None):
         last = r
         if r.text or r.finish_reason:
             yield Completion(**meta, choices=[CompletionChoice(text=r.text, finish_reason=r.finish_reason)])

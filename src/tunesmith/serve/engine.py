@@ -1,27 +1,32 @@
-"""The generation worker behind the server: one thread owns the model; requests wait in a first-come, first-served
-queue and up to `parallel` of them are answered at once, a token each in turn.
+"""The generation worker behind the server: one thread owns the model and steps every running answer at once.
 
-Each answer is `generate.stream_tokens` (the one decode loop) with its own KV cache, so interleaving them changes no
-answer: a greedy answer is the one `tunesmith generate` gives. Adapters share one copy of the base weights (PEFT's
-named adapters); before each step the worker activates the adapter of the request it serves, or turns them all off
-for the base. A request whose client went away is marked cancelled and dropped at its next turn, freeing its slot.
+Each step is one batched forward (serve.batch) over every active request: a request that decodes adds its last
+token, one that is still reading its prompt adds the next chunk of it (at most `prefill_chunk` prompt tokens a
+step, shared in arrival order), so a long prompt never stalls the others' decode for longer than a chunk. New
+requests join between steps, up to `parallel` at once, each in its own slot of a preallocated KV cache; an answer
+that ends (or whose client went away) leaves its slot at once, and the next request in line takes it. Each row
+applies its own adapter inside the forward; nothing is switched between requests.
+
+The sampling, stop rule and streamed text of each answer are `generate.Answer`, as for `tunesmith generate`, so a
+greedy answer is the one `generate` gives for that prompt alone. Requests wait in a bounded first-come, first-served
+queue: past `max_waiting`, `submit` refuses (the server answers 429 with Retry-After).
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tunesmith.generate import GenerationResponse, stream_tokens
+from tunesmith.generate import Answer, GenerationResponse, stop_token_ids
+
+WAITING_PER_SLOT = 4  # the queue holds this many requests per slot: beyond, a client is told to come back
 
 
 @dataclass
@@ -50,7 +55,6 @@ class Job:
     stop: list[str]
     emit: Callable[[GenerationResponse | BaseException | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
-    stream: Iterator[GenerationResponse] | None = None
     tokens: int = 0
 
 
@@ -63,92 +67,157 @@ class Finished:
     reason: str  # stop | length | cancelled | error
 
 
+class QueueFull(Exception):
+    """Every slot is busy and the queue is full: the request should come back later."""
+
+
+@dataclass
+class _Row:
+    """A job in a slot: what it still has to feed the model, and its answer so far."""
+
+    job: Job
+    slot: int
+    adapter: int  # the runner's index of the job's adapter (0: the base)
+    pending: list[int]  # tokens not yet in the cache: the rest of the prompt, or the last token drawn
+    answer: Answer
+    cached: int = 0  # tokens in the slot's cache
+
+
 class Engine:
     """The worker thread and its queue; `submit` may be called from any thread."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, parallel: int = 8):
+    def __init__(self, model: torch.nn.Module, tokenizer, parallel: int = 8, max_waiting: int | None = None,
+                 prefill_chunk: int = 64):
         self.model, self.tokenizer, self.parallel = model, tokenizer, parallel
+        self.max_waiting = WAITING_PER_SLOT * parallel if max_waiting is None else max_waiting
+        self.prefill_chunk = prefill_chunk
         self.finished: deque[Finished] = deque(maxlen=100)
-        self._waiting: queue.Queue[Job | None] = queue.Queue()  # FIFO: the order requests came in
+        self.steps = 0  # forwards run (tests read it)
+        self._waiting: deque[Job] = deque()  # FIFO: the order requests came in
+        self._wake = threading.Condition()
+        self._closing = False
         self._thread: threading.Thread | None = None
-        self._current: str | None = None
+        self._runner = None
 
     def start(self) -> None:
         if self._thread is None:
+            self._runner = self._runner or make_runner(self.model, self.tokenizer, self.parallel)
+            self._closing = False
             self._thread = threading.Thread(target=self._run, name="tunesmith-generate", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
         """Stop the worker: every job still queued or running ends as cancelled."""
         if self._thread is not None:
-            self._waiting.put(None)
+            with self._wake:
+                self._closing = True
+                self._wake.notify()
             self._thread.join()
             self._thread = None
 
     def submit(self, job: Job) -> None:
-        self._waiting.put(job)
+        """Queue `job`, or raise QueueFull when `max_waiting` jobs are waiting already."""
+        with self._wake:
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{self.parallel} requests are being answered and {len(self._waiting)} are waiting")
+            self._waiting.append(job)
+            self._wake.notify()
 
     def _run(self) -> None:
-        active: list[Job] = []
+        active: list[_Row] = []
+        free = list(range(self.parallel))
         while True:
-            while len(active) < self.parallel:  # take the next in line; wait for one only when nothing is running
-                try:
-                    job = self._waiting.get(block=not active)
-                except queue.Empty:
-                    break
-                if job is None:
-                    for j in active + self._drain():
-                        self._end(j, "cancelled", None)
+            with self._wake:
+                while not (self._closing or self._waiting or active):
+                    self._wake.wait()
+                if self._closing:
+                    for job in [row.job for row in active] + list(self._waiting):
+                        self._end(job, "cancelled", None)
+                    self._waiting.clear()
                     return
-                if job.cancelled.is_set():
-                    self._end(job, "cancelled", None)
-                    continue
-                job.stream = stream_tokens(self.model, self.tokenizer, job.prompt_ids, job.max_tokens, job.temperature,
-                                           job.top_p, job.seed, job.stop)
-                active.append(job)
-            active = [job for job in active if self._step(job)]
+            for row in [row for row in active if row.job.cancelled.is_set()]:
+                self._leave(row, active, free, "cancelled", None)
+            with self._wake:
+                joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+            for job in joining:  # between steps: the next in line take the free slots
+                row = self._join(job, free)
+                if row is not None:
+                    active.append(row)
+            if active:
+                self._step(active, free)
 
-    def _step(self, job: Job) -> bool:
-        """One token of `job`; False once it is over."""
+    def _join(self, job: Job, free: list[int]) -> _Row | None:
         if job.cancelled.is_set():
-            job.stream.close()
             self._end(job, "cancelled", None)
-            return False
+            return None
         try:
-            with self._use(job.adapter):
-                r = next(job.stream)
+            answer = Answer(self.tokenizer, len(job.prompt_ids), stop_token_ids(self.tokenizer, self.model),
+                            job.max_tokens, job.temperature, job.top_p, job.seed, stop=job.stop)
+            adapter = self._runner.adapter_index(job.adapter)
         except Exception as e:  # the request was checked before it queued: this is a bug, reported, not fatal
             traceback.print_exc(file=sys.stderr)
             self._end(job, "error", e)
-            return False
-        job.tokens = r.generated_tokens
-        job.emit(r)
+            return None
+        return _Row(job, free.pop(0), adapter, list(job.prompt_ids), answer)
+
+    def _step(self, active: list[_Row], free: list[int]) -> None:
+        """One forward for every active row: decoding rows add one token, rows reading their prompt share the
+        step's prefill budget in arrival order; every row whose tokens are all in draws its next token."""
+        plan, budget = [], self.prefill_chunk
+        for row in active:
+            take = row.pending if row.answer.generated else row.pending[:budget]
+            if not row.answer.generated:
+                budget -= len(take)
+            if take:
+                plan.append((row, take))
+        try:
+            logits = self._runner.forward([(r.slot, take, r.cached, r.adapter) for r, take in plan],
+                                          [len(take) == len(r.pending) for r, take in plan])
+        except Exception as e:  # a bug: the rows of this step end with it, the server goes on
+            traceback.print_exc(file=sys.stderr)
+            for row, _ in plan:
+                self._leave(row, active, free, "error", e)
+            return
+        self.steps += 1
+        at = 0
+        for row, take in plan:
+            row.cached += len(take)
+            row.pending = row.pending[len(take) :]
+            if not row.pending:
+                self._draw(row, logits[at], active, free)
+                at += 1
+
+    def _draw(self, row: _Row, logits: torch.Tensor, active: list[_Row], free: list[int]) -> None:
+        try:
+            r = row.answer.add(logits)
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            self._leave(row, active, free, "error", e)
+            return
+        row.job.tokens = r.generated_tokens
+        row.job.emit(r)
         if r.finish_reason:
-            self._end(job, r.finish_reason, None)
-            return False
-        return True
+            self._leave(row, active, free, r.finish_reason, None)
+        else:
+            row.pending = [r.token]
+
+    def _leave(self, row: _Row, active: list[_Row], free: list[int], reason: str, error: BaseException | None):
+        active.remove(row)
+        free.append(row.slot)
+        free.sort()
+        self._end(row.job, reason, error)
 
     def _end(self, job: Job, reason: str, error: BaseException | None) -> None:
         self.finished.append(Finished(job.adapter, job.tokens, reason))
         job.emit(error)
 
-    def _drain(self) -> list[Job]:
-        jobs = []
-        while True:
-            try:
-                job = self._waiting.get_nowait()
-            except queue.Empty:
-                return jobs
-            if job is not None:
-                jobs.append(job)
 
-    def _use(self, adapter: str | None) -> contextlib.AbstractContextManager:
-        """The adapter (or the bare base) that this step runs with."""
-        if not hasattr(self.model, "peft_config"):  # a plain model: the base is all there is
-            return contextlib.nullcontext()
-        if adapter is None:
-            return self.model.disable_adapter()
-        if adapter != self._current:
-            self.model.set_adapter(adapter)
-            self._current = adapter
-        return contextlib.nullcontext()
+def make_runner(model: torch.nn.Module, tokenizer, slots: int):
+    """The batched forward for this model (serve.batch.BatchedLM), or the per-row fallback where it cannot run."""
+    from tunesmith.models import context_length
+    from tunesmith.serve.batch import BatchedLM, PerRow, unsupported
+
+    model.eval()
+    if unsupported(model) is None:
+        return BatchedLM(model, slots, context_length(model, tokenizer))
+    return PerRow(model, slots)

@@ -1,0 +1,261 @@
+"""One forward over many sequences at once, each at its own position, with its own KV cache slot and its own LoRA
+adapter: the model the server's scheduler (serve.engine) steps.
+
+`BatchedLM` runs a Llama-family decoder (llama, mistral and qwen2 without a sliding window) from the loaded
+modules' own weights; its norms, linears, rotary embedding and activation are the model's modules, so a quantized
+base or a bias works as it does in the model. The tokens of a step are packed one after another ([tokens, hidden]):
+a row that prefills a chunk of its prompt and rows that decode one token each cost what their tokens cost, with no
+padding, except in attention, where each row's queries meet its own slot of the cache.
+
+The KV cache is one static tensor, [layers, slots, length, kv heads, head dim]; a row writes its keys and values
+at its own positions. It is allocated once for `FIRST_LENGTH` positions (or the context, if shorter) and doubled,
+up to the context, in the rare step where a row needs more: a model with a long context does not reserve it all
+for every slot up front. On the CPU `torch.empty` is backed by the OS only where written; positions are zeroed a
+block at a time as rows reach them, so resident memory follows the longest answers, and nothing is allocated per
+token.
+
+LoRA: every adapter's A of one linear stacked by rank ([in, sum of ranks]) and every B beside it ([sum of ranks,
+out]); a per-token mask keeps the columns of the token's own adapter, times its scale, and zeroes the rest, so
+`base(x) + ((x @ A) * mask) @ B` is, for each row, its own `base(x) + scale * B(A(x))`, and exactly base(x) for a
+row of the base. Two matmuls per linear whatever the batch holds, and no copy of any weight per row: with a few
+adapters, the summed rank stays far below the hidden size and this costs less than gathering each row's A and B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+ZERO_BLOCK = 256  # cache positions zeroed at a time, ahead of the rows that will read them
+FIRST_LENGTH = 4096  # cache positions per slot at first; doubled (up to the context) when a row needs more
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why `BatchedLM` cannot run this model, or None when it can."""
+    inner = model.get_base_model() if hasattr(model, "peft_config") else model
+    config = getattr(inner, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model type {kind} (batched: {', '.join(SUPPORTED)})"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", kind == "mistral"):
+        return "a sliding attention window"
+    for name, module in inner.named_modules():
+        if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
+            return f"a DoRA adapter ({name})"
+        if getattr(module, "lora_bias", {}) and any(module.lora_bias.values()):
+            return f"a LoRA adapter with a bias ({name})"
+    return None
+
+
+class StackedLora:
+    """One linear of the model and the LoRA of every adapter over it, stacked by rank."""
+
+    def __init__(self, module: torch.nn.Module, adapters: list[str | None], layouts: dict):
+        self.base = getattr(module, "base_layer", module)
+        self.a = self.b = None
+        self.layout = -1  # which per-token mask this linear takes (linears with the same adapters share one)
+        names = [n for n in adapters if n is not None and n in getattr(module, "lora_A", {})]
+        if not names:
+            return
+        a = [module.lora_A[n].weight for n in names]
+        self.a = torch.cat(a).t().contiguous()  # [in, sum of ranks]
+        self.b = torch.cat([module.lora_B[n].weight for n in names], dim=1).t().contiguous()  # [sum of ranks, out]
+        columns = torch.zeros(len(adapters), self.a.shape[1], dtype=self.a.dtype, device=self.a.device)
+        at = 0
+        for n, w in zip(names, a, strict=True):
+            columns[adapters.index(n), at : at + w.shape[0]] = module.scaling[n]
+            at += w.shape[0]
+        key = (tuple(columns.flatten().tolist()), columns.shape)
+        self.layout = layouts.setdefault(key, (len(layouts), columns))[0]
+
+    def __call__(self, x: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+        y = self.base(x)
+        mask = masks[self.layout] if self.layout >= 0 else None
+        if mask is not None:
+            y = torch.addmm(y, (x @ self.a).mul_(mask), self.b)
+        return y
+
+
+@dataclass
+class Step:
+    """The tokens of one forward, packed row after row, and where each goes."""
+
+    ids: torch.Tensor  # [N] token ids
+    positions: torch.Tensor  # [N] each token's position in its sequence
+    slots: torch.Tensor  # [B] each row's cache slot
+    token_slots: torch.Tensor  # [N] the slot of each token's row
+    token_rows: torch.Tensor  # [N] the row (0..B-1) of each token
+    token_cols: torch.Tensor  # [N] the token's place among its row's tokens this step
+    adapters: torch.Tensor  # [N] the index of each token's adapter (0: the base)
+    mask: torch.Tensor  # [B, 1, T, L] which cached positions each row's queries see
+    logits_at: torch.Tensor  # [R] the tokens whose next-token logits are wanted
+    width: int  # T: the most tokens of one row
+    length: int  # L: the longest row's cache length after this step
+
+
+class BatchedLM:
+    """The model as one batched forward over rows in cache slots; see the module's docstring."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, context: int):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's too
+
+        self.rope = apply_rotary_pos_emb
+        inner = model.get_base_model() if hasattr(model, "peft_config") else model
+        self.inner, self.config = inner, inner.config
+        self.adapters: list[str | None] = [None, *getattr(model, "peft_config", {})]
+        layouts: dict = {}
+        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts) for n in LINEARS]
+                       for layer in inner.model.layers]
+        self.layouts = [columns for _, columns in sorted(layouts.values(), key=lambda v: v[0])]
+        attn = inner.model.layers[0].self_attn
+        self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.context = context
+        weight = inner.model.embed_tokens.weight  # its dtype and device (it may be a quantized tensor subclass)
+        self.keys = self.values = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        self._grow(slots, min(context, FIRST_LENGTH))
+        self.clean = [0] * slots  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
+
+    def adapter_index(self, name: str | None) -> int:
+        return self.adapters.index(name)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> torch.Tensor:
+        """rows: (slot, new tokens, tokens already cached, adapter index); want: whether a row needs the logits
+        after its last new token. Returns those logits, [rows wanting them, vocab], in row order."""
+        step = self._plan(rows, want)
+        if step.length > self.keys.shape[2]:
+            self._grow(self.keys.shape[1], min(self.context, max(2 * self.keys.shape[2], step.length)))
+        for slot in (s for s, *_ in rows):
+            self._zero_ahead(slot, step.length)
+        masks = [None] * len(self.layouts)
+        for i, columns in enumerate(self.layouts):
+            mask = columns[step.adapters]
+            masks[i] = mask if bool(mask.any()) else None  # rows of the base only: no LoRA at all
+        model = self.inner.model
+        x = model.embed_tokens(step.ids)
+        cos, sin = model.rotary_emb(x, step.positions[None])
+        cos, sin = cos[0], sin[0]
+        for i, (layer, linears) in enumerate(zip(model.layers, self.layers, strict=True)):
+            x = self._layer(i, layer, linears, x, cos, sin, step, masks)
+        x = model.norm(x[step.logits_at])
+        return self.inner.lm_head(x).float()
+
+    def _layer(self, i: int, layer, linears: list[StackedLora], x, cos, sin, step: Step, masks) -> torch.Tensor:
+        q_proj, k_proj, v_proj, o_proj, gate, up, down = linears
+        n, d = x.shape[0], self.head_dim
+        h = layer.input_layernorm(x)
+        q, k = q_proj(h, masks).view(n, -1, d), k_proj(h, masks).view(n, -1, d)
+        v = v_proj(h, masks).view(n, -1, d)
+        q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
+        self.keys[i].index_put_((step.token_slots, step.positions), k)
+        self.values[i].index_put_((step.token_slots, step.positions), v)
+        keys = self.keys[i, :, : step.length].index_select(0, step.slots).transpose(1, 2)  # [B, kv heads, L, d]
+        values = self.values[i, :, : step.length].index_select(0, step.slots).transpose(1, 2)
+        rows = len(step.slots)
+        if step.width == 1:  # every row adds one token: the packed tokens are already one per row
+            queries = q.view(rows, 1, -1, d)
+        else:
+            queries = q.new_zeros(rows, step.width, q.shape[1], d)
+            queries[step.token_rows, step.token_cols] = q
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=step.mask,
+                                             scale=self.scale, enable_gqa=True).transpose(1, 2)
+        out = out.reshape(n, -1) if step.width == 1 else out[step.token_rows, step.token_cols].reshape(n, -1)
+        x = x + o_proj(out, masks)
+        h = layer.post_attention_layernorm(x)
+        return x + down(layer.mlp.act_fn(gate(h, masks)) * up(h, masks), masks)
+
+    def _plan(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> Step:
+        """The step's index tensors, built once and shared by every layer."""
+        device = self.keys.device
+        counts = [len(tokens) for _, tokens, _, _ in rows]
+        ids = [t for _, tokens, _, _ in rows for t in tokens]
+        positions = [start + j for _, tokens, start, _ in rows for j in range(len(tokens))]
+        token_rows = [r for r, c in enumerate(counts) for _ in range(c)]
+        ends, at = [], 0
+        for c in counts:
+            at += c
+            ends.append(at - 1)
+        width, length = max(counts), max(start + len(tokens) for _, tokens, start, _ in rows)
+        starts = torch.tensor([start for _, _, start, _ in rows], device=device)
+        counts_t = torch.tensor(counts, device=device)
+        # the query at column t of row b sits at position start_b + t (padding columns repeat the last one)
+        query_pos = starts[:, None] + torch.minimum(torch.arange(width, device=device)[None], counts_t[:, None] - 1)
+        mask = torch.arange(length, device=device)[None, None] <= query_pos[:, :, None]
+        token_rows_t = torch.tensor(token_rows, device=device)
+        slots = torch.tensor([slot for slot, *_ in rows], device=device)
+        positions_t = torch.tensor(positions, device=device)
+        return Step(
+            ids=torch.tensor(ids, device=device), positions=positions_t, slots=slots,
+            token_slots=slots[token_rows_t], token_rows=token_rows_t, token_cols=positions_t - starts[token_rows_t],
+            adapters=torch.tensor([a for (_, tokens, _, a) in rows for _ in tokens], device=device),
+            mask=mask[:, None], logits_at=torch.tensor([e for e, w in zip(ends, want, strict=True) if w],
+                                                       device=device, dtype=torch.long),
+            width=width, length=length)
+
+    def _grow(self, slots: int, length: int) -> None:
+        """A cache of `length` positions per slot, holding what the current one holds."""
+        shape = (len(self.layers), slots, length, self.config.num_key_value_heads, self.head_dim)
+        keys, values = self.keys.new_empty(shape), self.values.new_empty(shape)
+        if self.keys.numel():
+            keys[:, :, : self.keys.shape[2]] = self.keys
+            values[:, :, : self.values.shape[2]] = self.values
+        self.keys, self.values = keys, values
+
+    def _zero_ahead(self, slot: int, length: int) -> None:
+        """Attention reads every slot up to the longest row's length: what a shorter row has not written must be
+        finite (a stale value is; fresh memory may not be), as a masked position's weight is 0 but 0 * NaN is
+        not."""
+        if self.clean[slot] >= length:
+            return
+        end = min(self.keys.shape[2], -(-length // ZERO_BLOCK) * ZERO_BLOCK)
+        self.keys[:, slot, self.clean[slot] : end].zero_()
+        self.values[:, slot, self.clean[slot] : end].zero_()
+        self.clean[slot] = end
+
+
+class PerRow:
+    """The fallback for a model `BatchedLM` does not run: each row's tokens through the model's own forward, with
+    its own DynamicCache and its adapter switched in (PEFT's set_adapter; all off for the base). The scheduling is
+    the same; a step costs what its rows cost one after another."""
+
+    def __init__(self, model: torch.nn.Module, slots: int):
+        self.model = model
+        self.adapters: list[str | None] = [None, *getattr(model, "peft_config", {})]
+        self.caches: list = [None] * slots
+        self.device = next(model.parameters()).device
+        self._current: str | None = None
+
+    def adapter_index(self, name: str | None) -> int:
+        return self.adapters.index(name)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        out = []
+        for (slot, tokens, start, adapter), wanted in zip(rows, want, strict=True):
+            if start == 0:  # a new answer in this slot
+                self.caches[slot] = DynamicCache()
+            with self._use(self.adapters[adapter]):
+                logits = self.model(input_ids=torch.tensor([tokens], device=self.device),
+                                    past_key_values=self.caches[slot], use_cache=True).logits[0, -1]
+            if wanted:
+                out.append(logits.float())
+        return torch.stack(out) if out else torch.empty(0)
+
+    def _use(self, adapter: str | None):
+        import contextlib
+
+        if not hasattr(self.model, "peft_config"):  # a plain model: the base is all there is
+            return contextlib.nullcontext()
+        if adapter is None:
+            return self.model.disable_adapter()
+        if adapter != self._current:
+            self.model.set_adapter(adapter)
+            self._current = adapter
+        return contextlib.nullcontext()
