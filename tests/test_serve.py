@@ -542,6 +542,10 @@ def test_the_serve_verb_runs_as_a_process_and_shuts_down_on_sigterm(tiny_dir, ad
         assert [m.id for m in client.models.list().data] == ["tiny", "poet"]
         r = client.completions.create(model="poet", prompt="ROMEO:", temperature=0, max_tokens=6)
         assert r.choices[0].text == generated(tiny_dir, adapters["poet"], "ROMEO:", False, 6)
+        with pytest.raises(openai.BadRequestError) as e:  # a role no chat template renders
+            client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
+        assert e.value.status_code == 400 and "'messages.role'" in str(e.value) and "'wizard'" in str(e.value)
+        assert "'user'" in str(e.value)
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)

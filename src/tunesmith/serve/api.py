@@ -65,7 +65,8 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    # the roles a chat template renders; any other (a typo, a tool turn tunesmith cannot answer) is a 400 naming them
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
 
 
