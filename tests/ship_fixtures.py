@@ -107,3 +107,36 @@ def make_gemma3(tokenizer, layers: int = 6, hidden: int = 64, seed: int = 0):
             if name.endswith("norm.weight"):
                 p.uniform_(-0.5, 0.5)
     return model
+
+
+def run_cli(*args, cwd: Path | None = None, timeout: float = 600):
+    """`tunesmith ARGS` as a user runs it: a fresh process; returns its CompletedProcess (returncode, stdout, stderr
+    as text)."""
+    import os
+    import subprocess
+    import sys
+
+    path = os.pathsep.join(str(Path(p).resolve()) for p in sys.path if p)
+    return subprocess.run([sys.executable, "-m", "tunesmith.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, cwd=cwd, timeout=timeout)
+
+
+SYSTEM = "You are Captain Ahab. Answer in one line."
+
+
+def chat_run(folder: Path, tiny_dir: Path, systems: list[str | None]) -> Path:
+    """A run folder as `tunesmith train` leaves it (config.yaml, adapter/), trained two steps on chat records, one
+    per entry of `systems`: the record's system prompt (None: a record without one)."""
+    from tests.conftest import tiny_train_config
+    from tunesmith.train import train
+
+    data = folder.parent / f"{folder.name}-chats.jsonl"
+    lines = []
+    for i, system in enumerate(systems):
+        turns = [{"role": "user", "content": f"ROMEO: wherefore {i}?"},
+                 {"role": "assistant", "content": "But soft, what light through yonder window breaks."}]
+        lines.append(json.dumps({"messages": ([{"role": "system", "content": system}] if system else []) + turns}))
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    train(tiny_train_config(folder.parent, tiny_dir, data, output=str(folder), max_steps=2, val_fraction=0.0,
+                            seq_len=128))
+    return folder

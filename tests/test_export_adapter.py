@@ -85,3 +85,52 @@ def test_adapter_only_errors_are_one_line(args, msg, tiny_dir, peft_dir, tmp_pat
     code = main(["export", "--model", str(tiny_dir), *adapter, "--adapter-only", *args, "--output", str(tmp_path / "x")])
     err = capsys.readouterr().err
     assert code == 2 and msg in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------- as a user runs it (the CLI)
+
+
+def test_gguf_adapter_honours_f16_and_q8_0_and_refuses_other_types(tiny_dir, peft_dir, tmp_path):
+    """llama.cpp LoRA files take f32, f16 and q8_0: each is written as asked (a q8_0 matrix whose rows are not 32
+    weights, B's [out, r=4], is f16, as convert_lora_to_gguf does); a k-quant is one line naming those three."""
+    from .ship_fixtures import run_cli
+
+    T = gguf.GGMLQuantizationType
+    peft = load_file(peft_dir / "adapter_model.safetensors")
+    for quant, a_type, b_type, bound in (("f16", T.F16, T.F16, 1e-3), ("q8_0", T.Q8_0, T.F16, 1e-2)):
+        out = tmp_path / f"{quant}.gguf"
+        done = run_cli("export", "--model", tiny_dir, "--adapter", peft_dir, "--adapter-only", "--format", "gguf",
+                       "--quant", quant, "--output", out)
+        assert done.returncode == 0, done.stderr
+        tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+        a, b = tensors["blk.1.attn_v.weight.lora_a"], tensors["blk.1.attn_v.weight.lora_b"]
+        assert (a.tensor_type, b.tensor_type) == (a_type, b_type)
+        want = peft["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"].numpy()
+        got = gguf.quants.dequantize(a.data, a.tensor_type).reshape(want.shape)
+        assert np.abs(got - want).max() <= bound * np.abs(want).max()
+    done = run_cli("export", "--model", tiny_dir, "--adapter", peft_dir, "--adapter-only", "--format", "gguf",
+                   "--quant", "q4_k_m", "--output", tmp_path / "k.gguf")
+    assert done.returncode == 2 and "f32, f16, q8_0" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "k.gguf").exists()
+
+
+def test_mlx_adapter_files_have_the_modes_of_the_user_s_other_files(tiny_dir, peft_dir, tmp_path):
+    """safetensors writes its file private (0600); the adapter folder is meant to be shared as the user's files are.
+    A folder that is not an adapter export is not written over."""
+    import os
+
+    from .ship_fixtures import run_cli
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    done = run_cli("export", "--model", tiny_dir, "--adapter", peft_dir, "--adapter-only", "--format", "mlx",
+                   "--output", tmp_path / "mlx")
+    assert done.returncode == 0, done.stderr
+    for name in ("adapters.safetensors", "adapter_config.json"):
+        assert (tmp_path / "mlx" / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    done = run_cli("export", "--model", tiny_dir, "--adapter", peft_dir, "--adapter-only", "--format", "mlx",
+                   "--output", tmp_path / "mine")
+    assert done.returncode == 2 and "choose an empty --output" in done.stderr
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"

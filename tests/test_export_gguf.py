@@ -422,3 +422,50 @@ def test_run_generates_from_the_gguf_file_itself(tiny_dir, tokenizer, tmp_path, 
                                        f"export with `mlx_lm.generate --model {tmp_path / 'elsewhere'}` (on a Mac), a "
                                        f"merged folder with `tunesmith generate --model {tmp_path / 'elsewhere'}`; "
                                        "`tunesmith run` takes a .pte or .gguf file\n")
+
+
+# ------------------------------------------------------------------ which data a k-quant calibrates on (the CLI)
+
+
+@pytest.fixture(scope="module")
+def chat_run_dir(tmp_path_factory, tiny_dir):
+    from .ship_fixtures import SYSTEM, chat_run
+
+    return chat_run(tmp_path_factory.mktemp("runs") / "ahab", tiny_dir, [SYSTEM] * 8)
+
+
+def test_k_quant_calibrates_on_the_data_the_run_was_tuned_on_and_is_named_after_it(chat_run_dir, tmp_path):
+    """`export --adapter RUN --quant q4_k_m`: GPTQ on the run's own chats (config.yaml records them), each stage said
+    on stderr; general.name is the run's name, not the file's."""
+    from .ship_fixtures import run_cli
+
+    out = tmp_path / "ship"
+    done = run_cli("export", "--adapter", chat_run_dir, "--format", "gguf", "--quant", "q4_k_m",
+                   "--calibration-blocks", "4", "--output", out)
+    assert done.returncode == 0, done.stderr
+    kv = {k: f.contents() for k, f in gguf.GGUFReader(out / "model-q4_k_m.gguf").fields.items()}
+    assert kv[G.METHOD_KEY].startswith("gptq") and "4 calibration blocks" in kv[G.METHOD_KEY]
+    assert kv["general.name"] == "ahab"
+    data = chat_run_dir.parent / "ahab-chats.jsonl"
+    assert f"GPTQ calibrates on {data}, training part: 4 records" in done.stderr
+    assert "q4_k_m: GPTQ over 2 decoder layers, after rounding the k-quant matrices" in done.stderr
+    assert "shakespeare" not in done.stderr
+
+
+def test_k_quant_of_a_model_with_no_run_rounds_to_nearest_and_says_so(tiny_dir, text_file, tmp_path):
+    """No --data and no train run beside the model: round to nearest, in a second, with one line saying why; --data
+    calibrates on what it names. general.name is the model folder's name."""
+    from .ship_fixtures import run_cli
+
+    done = run_cli("export", "--model", tiny_dir, "--format", "gguf", "--quant", "q4_k_m", "--output",
+                   tmp_path / "rtn.gguf")
+    assert done.returncode == 0, done.stderr
+    kv = {k: f.contents() for k, f in gguf.GGUFReader(tmp_path / "rtn.gguf").fields.items()}
+    assert kv[G.METHOD_KEY] == "round to nearest" and kv["general.name"] == tiny_dir.name
+    assert "q4_k_m: every block rounded to nearest: no --data given and no train run found" in done.stderr
+    assert "GPTQ" not in done.stderr
+    done = run_cli("export", "--model", tiny_dir, "--format", "gguf", "--quant", "q4_k_m", "--data", text_file,
+                   "--seq-len", "32", "--calibration-blocks", "2", "--output", tmp_path / "gptq.gguf")
+    assert done.returncode == 0, done.stderr
+    assert gguf.GGUFReader(tmp_path / "gptq.gguf").fields[G.METHOD_KEY].contents().startswith("gptq")
+    assert f"GPTQ calibrates on {text_file}" in done.stderr

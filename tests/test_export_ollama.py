@@ -122,3 +122,40 @@ def test_a_template_that_is_not_chatml_is_left_to_ollama(tiny_dir, tmp_path):
 def test_a_file_name_as_output_is_refused(tiny_dir, tmp_path):
     with pytest.raises(TunesmithError, match="writes a folder"):
         O.export(tiny_dir, tmp_path / "m.gguf", "f16", 32, 256)
+
+
+# ------------------------------------------------------------------------ the Modelfile's system prompt (the CLI)
+
+
+def _system_of(folder):
+    return dict(parse_modelfile((folder / "Modelfile").read_text())).get("SYSTEM")
+
+
+def test_system_prompt_is_the_training_data_s_shared_one_or_system_flag(tmp_path_factory, tiny_dir, tmp_path):
+    """Every chat record of the run opens with the same system prompt: the Modelfile's SYSTEM is that one; --system
+    replaces it; with --format gguf, --system is one line and exit 2."""
+    from .ship_fixtures import SYSTEM, chat_run, run_cli
+
+    run = chat_run(tmp_path_factory.mktemp("runs") / "ahab", tiny_dir, [SYSTEM] * 6)
+    done = run_cli("export", "--adapter", run, "--format", "ollama", "--quant", "f16", "--output", tmp_path / "a")
+    assert done.returncode == 0, done.stderr
+    assert _system_of(tmp_path / "a") == SYSTEM
+    done = run_cli("export", "--adapter", run, "--format", "ollama", "--quant", "f16", "--system", "Be terse.",
+                   "--output", tmp_path / "b")
+    assert done.returncode == 0, done.stderr
+    assert _system_of(tmp_path / "b") == "Be terse."
+    done = run_cli("export", "--adapter", run, "--format", "gguf", "--system", "Be terse.", "--output", tmp_path / "c")
+    assert done.returncode == 2 and "--system" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()
+
+
+def test_records_without_one_shared_system_prompt_keep_the_template_s_own(tmp_path_factory, tiny_dir, tmp_path):
+    """Some records without a system prompt (or with another): the chat template's own default is SYSTEM."""
+    from .ship_fixtures import SYSTEM, chat_run, run_cli
+
+    base = _folder(tmp_path, tiny_dir, SMOLLM2_TEMPLATE)  # tiny_dir's weights, SmolLM2's template and default
+    run = chat_run(tmp_path_factory.mktemp("runs") / "mixed", tiny_dir, [SYSTEM, None, SYSTEM, "Be brief."])
+    done = run_cli("export", "--model", base, "--adapter", run, "--format", "ollama", "--quant", "f16", "--output",
+                   tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert _system_of(tmp_path / "out") == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -17,6 +17,9 @@ pytest.importorskip("torchao", reason="quantize needs the ship extra: pip instal
 
 from tunesmith.quantformat import (  # noqa: E402
     QUANT_FILE,
+    CpuInt4Linear,
+    CpuInt8Embedding,
+    CpuInt8Linear,
     GroupOffsetLinear,
     load_quantized_model,
     pack_int4,
@@ -72,9 +75,13 @@ def test_folder_round_trip_is_exact_and_self_describing(trained, tokenizer, tmp_
     assert info["scheme"] == scheme and info["group_size"] == 64
     assert bool(info["packed_int4"]) == (scheme == "int4")
 
-    reloaded, tok = load_model(str(out))  # the same entry point generate / eval use
     x = torch.tensor([tokenizer("ROMEO:\nBut soft")["input_ids"]])
-    assert torch.equal(reloaded(x).logits, model(x).logits)
+    assert torch.equal(load_quantized_model(out)(x).logits, model(x).logits)  # the weights, exactly
+    reloaded, tok = load_model(str(out))  # the same entry point generate / eval use: aten's CPU kernels, bf16 inputs
+    assert {type(m) for m in reloaded.modules()} >= {CpuInt8Embedding, CpuInt4Linear if scheme == "int4" else
+                                                     CpuInt8Linear}
+    ref = model(x).logits
+    assert float((reloaded(x).logits - ref).norm() / ref.norm()) < 0.01
     assert tok.get_vocab() == tokenizer.get_vocab()
     # fp32 weights, int8 (1 byte + scales), int4 (half a byte + scales): the embedding is int8 in both.
     ratio = weights_bytes(out) / weights_bytes(float_dir)

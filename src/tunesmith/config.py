@@ -570,11 +570,15 @@ class ExportConfig(Config):
     group_size: int = opt(32, "weights per quantization group for the 4-bit schemes", bounds=AT_LEAST_1)
     max_seq_len: int = opt(256, "longest sequence (prompt + generated tokens) the artifact can hold", bounds=Bounds(2))
     calibration_blocks: int = opt(
-        64, "gguf/ollama q8_0|q4_0|q4_0_mixed and the k-quants' Q8_0/Q5_0 matrices: training blocks "
-        "of --data that GPTQ calibrates the decoder weights on (0: round to nearest, no data, as llama-quantize); "
-        "other formats and quants ignore it", bounds=COUNT,
+        64, "gguf/ollama q8_0|q4_0|q4_0_mixed and the k-quants' Q8_0/Q5_0 matrices: training blocks GPTQ "
+        "calibrates the decoder weights on, from --data, else from the data the model was tuned on (its train run's "
+        "config.yaml, beside the adapter or the merged folder); with neither, or 0, every block is rounded to "
+        "nearest, as llama-quantize does. Other formats and quants ignore it", bounds=COUNT,
     )
-    data: str = same_as(DataConfig, "data")
+    data: str = same_as(DataConfig, "data", default="", help="data GPTQ calibrates on (--calibration-blocks; "
+                        "default: the data the model was tuned on, when its run folder records it)")
+    system: str | None = opt(None, "ollama: the Modelfile's SYSTEM prompt ('' for none; default: the system prompt "
+                             "every record of the run's chat data opens with, else the chat template's own)")
     seq_len: int = same_as(DataConfig, "seq_len", aliases=())  # beside --max-seq-len, mlx-lm's name would mislead
     val_fraction: float = same_as(DataConfig, "val_fraction")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.quantformat import QUANT_FILE, load_quantized_model
+from tunesmith.quantformat import QUANT_FILE, load_quantized_model, use_cpu_kernels
 from tunesmith.storage import PICKLE_SUFFIXES, atomic_folder, cache_dir, check_safetensors
 
 
@@ -317,7 +317,10 @@ def load_model(
         if quantize_base != "none":
             raise TunesmithError(f"{source} is already quantized (tunesmith quantize); --quantize-base needs the "
                                  "full-precision model it came from")
-        return load_quantized_model(source, device), load_tokenizer(spec, trust_remote_code)
+        model = load_quantized_model(source, device)
+        if device.type == "cpu":  # torchao's tensors dequantize every weight at every call; aten's kernels do not
+            use_cpu_kernels(model)
+        return model, load_tokenizer(spec, trust_remote_code)
     if quantize_base != "none":
         from tunesmith.qlora import check_scheme, load_quantized_base
         from tunesmith.qlora import quantize_base as quantize_in_place

@@ -173,3 +173,101 @@ def _empty_model(config):
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------ eager decoding on the CPU
+
+# torchao's int tensors dequantize the whole matrix at every call (a 135M model decoded 3x slower than in float).
+# aten's packed CPU kernels multiply the codes directly, and they are fast with bf16 activations (the fp32 path is
+# scalar): a layer's input is rounded to bf16 for the product, the result comes back in the model's dtype.
+KERNEL_DTYPE = torch.bfloat16
+
+
+class CpuInt4Linear(torch.nn.Module):
+    """An int4 linear (codes in groups, a scale and an offset per group: w = scale * code + offset) through aten's
+    packed CPU kernel (tinygemm's layout: w = scale * (q - 8) + zero, so q = code + 8 and zero = offset)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight
+        self.out_features, self.in_features = w.shape
+        self.group_size = int(w.block_size[-1])
+        scale = w.scale.reshape(self.out_features, -1).float()
+        offset = getattr(linear, "group_offset", None)
+        zero = torch.zeros_like(scale) if offset is None else offset.reshape(scale.shape).float()
+        codes = w.qdata.to(torch.int32) + 8
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+        from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+        self.register_buffer("scale_and_zero", pack_tinygemm_scales_and_zeros(
+            scale.to(KERNEL_DTYPE), zero.to(KERNEL_DTYPE), KERNEL_DTYPE))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_and_zero)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class CpuInt8Linear(torch.nn.Module):
+    """An int8 linear with one scale per output channel through aten's CPU int8 weight-only kernel."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight
+        self.out_features, self.in_features = w.shape
+        # A copy: the loaded codes may sit unaligned inside the safetensors file's buffer, which the kernel's vector
+        # loads do not allow (it crashes).
+        self.register_buffer("qdata", w.qdata.clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scale", w.scale.reshape(-1).to(KERNEL_DTYPE))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.qdata, self.scale)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class CpuInt8Embedding(torch.nn.Module):
+    """An int8 embedding table (a scale per row) that dequantizes only the rows it looks up."""
+
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        w = embedding.weight
+        self.num_embeddings, self.embedding_dim = w.shape
+        self.register_buffer("qdata", w.qdata.contiguous())
+        self.register_buffer("scale", w.scale.reshape(-1, 1).float())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.qdata).float() * torch.nn.functional.embedding(ids, self.scale)
+
+
+def _kernel_for(module: torch.nn.Module):
+    """The CPU kernel module for a quantized linear / embedding, or None (float, or a layout it does not take)."""
+    w = getattr(module, "weight", None)
+    if not hasattr(w, "qdata") or w.ndim != 2 or getattr(w, "zero_point", None) is not None and w.zero_point.any():
+        return None
+    groups = tuple(getattr(w, "block_size", ()))
+    per_row = groups == (1, w.shape[1]) and w.qdata.dtype == torch.int8
+    if isinstance(module, torch.nn.Embedding):
+        return CpuInt8Embedding(module) if per_row and getattr(w, "target_dtype", torch.int8) == torch.int8 else None
+    if not isinstance(module, torch.nn.Linear):
+        return None
+    if getattr(w, "target_dtype", None) == torch.int4 and groups[-1:] and groups[-1] in (32, 64, 128, 256):
+        return CpuInt4Linear(module)
+    if per_row and getattr(w, "target_dtype", torch.int8) == torch.int8:
+        return CpuInt8Linear(module)
+    return None
+
+
+def use_cpu_kernels(model: torch.nn.Module) -> int:
+    """Swap the quantized linears and embedding of a model on the CPU for modules that run aten's packed int4 /
+    int8 kernels (what the model computes stays the same weights; a layer's input is rounded to bf16); returns
+    how many were swapped. For eager inference: the swapped model no longer saves or exports as torchao tensors."""
+    swaps = [(name, kernel) for name, m in model.named_modules() if (kernel := _kernel_for(m)) is not None]
+    for name, kernel in swaps:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, kernel)
+    return len(swaps)

@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 
 from tunesmith.errors import TunesmithError
-from tunesmith.quantformat import GroupOffsetLinear, import_torchao, load_quantized_model, save_quantized
+from tunesmith.quantformat import (
+    GroupOffsetLinear,
+    import_torchao,
+    load_quantized_model,
+    save_quantized,
+    use_cpu_kernels,
+)
 
 SCHEMES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -227,7 +233,8 @@ def quantize(cfg, progress: bool = True) -> QuantizeResult:
                 seconds=round(time.perf_counter() - t, 1))
     out = save_quantized(model, tokenizer, cfg.output, info)
     del model
-    reloaded = load_quantized_model(out)  # measure what was written, not what is in memory
+    reloaded = load_quantized_model(out)  # measure what was written, not what is in memory,
+    use_cpu_kernels(reloaded)  # run as generate and eval run it on the CPU
     if scored:
         status(f"scoring the {cfg.scheme} model as saved in {out}", progress)
     after = measure(reloaded, tokenizer, examples, weights_bytes(out), cfg.max_tokens)

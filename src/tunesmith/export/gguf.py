@@ -69,15 +69,17 @@ def export(
     max_seq_len: int,
     calibration: Sequence[Sequence[int]] | None = None,
     progress: bool = True,
+    name: str | None = None,
 ) -> Path:
     """Write `model_dir` (a plain HF folder) as one GGUF file; returns its path.
 
     `output` is the .gguf file, or a folder that receives model-<quant>.gguf. `max_seq_len` is not used: the
     file records the model's own context length, and llama.cpp picks the runtime context (-c). `calibration`
     (token blocks): q8_0 / q4_0 / q4_0_mixed decoder weights by GPTQ on them; None or empty: round to nearest.
-    GPTQ (minutes on a CPU) and the tensors being written show progress bars on stderr unless `progress` is False.
+    `name` is the model's name (general.name; default: the folder's). GPTQ (minutes on a CPU) says each stage and
+    shows a bar per layer, and the tensors being written a bar, on stderr unless `progress` is False.
     """
-    from tunesmith.progress import steps
+    from tunesmith.progress import status, steps
 
     qname = check_quant(quant, group_size)
     model_dir = Path(model_dir)
@@ -85,13 +87,15 @@ def export(
     chosen, method = {}, "round to nearest"
     plan = kquant.tensor_types(_tensor_shapes(model_dir, config), qname) if qname in KQUANTS else None
     if calibration and qname in CALIBRATED:
+        status(f"{qname}: GPTQ over {config.num_hidden_layers} decoder layers"
+               + (", after rounding the k-quant matrices" if plan is not None else ""), progress)
         chosen = gptq_blocks(model_dir, config, qname, calibration, progress, plan)
         method = f"gptq (act-order, static groups, sequential), {len(calibration)} calibration blocks"
         if plan is not None:
             method += "; the k-quant matrices rounded to nearest"
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / f"model-{qname}.gguf"
     with gguf_file(path, SUPPORTED_MODEL_TYPES[config.model_type], use_temp_file=True) as writer:  # spools to disk
-        _add_hparams(writer, config, qname, path.stem)
+        _add_hparams(writer, config, qname, name or model_dir.resolve().name)
         if qname.startswith("q"):
             writer.add_string(METHOD_KEY, method)
         _add_tokenizer(writer, model_dir, config)
@@ -551,15 +555,29 @@ def _add_sentencepiece(writer, model_dir: Path, spec: dict, vocab_size: int) -> 
 # --------------------------------------------------------------------------------------------- the adapter
 
 
-def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
+ADAPTER_QUANTS = ("f32", "f16", "q8_0")  # what convert_lora_to_gguf.py writes and llama.cpp's LoRA loader takes
+
+
+def check_adapter_quant(quant: str) -> str:
+    """The GGUF type of a LoRA adapter's tensors for --quant, or an error listing the ones an adapter takes."""
+    name = ALIASES.get(quant, quant.lower())
+    if name not in ADAPTER_QUANTS:
+        raise TunesmithError(f"--quant {quant} is not a type for a llama.cpp LoRA adapter; with --adapter-only choose "
+                             f"one of {', '.join(ADAPTER_QUANTS)}")
+    return name
+
+
+def export_adapter(adapter_dir: Path, output: Path, model_dir: Path, quant: str = "f32", name: str | None = None
+                   ) -> Path:
     """A PEFT LoRA adapter as a llama.cpp LoRA adapter GGUF (what convert_lora_to_gguf.py writes); returns its path.
 
     `model_dir` is the base model the adapter was trained on (its hyper-parameters name and permute the tensors).
     Metadata: general.type "adapter", adapter.type "lora", adapter.lora.alpha. Tensors: `<base tensor>.lora_a`
-    (PEFT's A, [r, in]) and `.lora_b` (B, [out, r]) in f32, e.g. blk.0.attn_q.weight.lora_a; llama.cpp adds
-    alpha / r * B A x. q_proj / k_proj B rows get the base weights' rotary permutation. `output` is the .gguf file,
-    or a folder that receives adapter.gguf. Use it with `llama-cli -m base.gguf --lora adapter.gguf` (or Ollama's
-    ADAPTER).
+    (PEFT's A, [r, in]) and `.lora_b` (B, [out, r]) in `quant` (f32, f16 or q8_0; a q8_0 tensor whose rows are not
+    a multiple of 32, such as B's [out, r], is f16, as convert_lora_to_gguf falls back), e.g.
+    blk.0.attn_q.weight.lora_a; llama.cpp adds alpha / r * B A x. q_proj / k_proj B rows get the base weights'
+    rotary permutation. `output` is the .gguf file, or a folder that receives adapter.gguf. `name`: general.name
+    (default: the adapter folder's). Use it with `llama-cli -m base.gguf --lora adapter.gguf` (or Ollama's ADAPTER).
     """
     import gguf
     from safetensors.torch import load_file
@@ -567,6 +585,7 @@ def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
     from tunesmith.export.mlx import check_peft_config
     from tunesmith.lora import check_adapter_folder
 
+    qtype = gguf.GGMLQuantizationType[check_adapter_quant(quant).upper()]
     folder = check_adapter_folder(adapter_dir)
     peft = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     check_peft_config(peft, folder, "a llama.cpp LoRA adapter")
@@ -579,7 +598,9 @@ def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
     path = Path(output) if Path(output).suffix == ".gguf" else Path(output) / "adapter.gguf"
     with gguf_file(path, SUPPORTED_MODEL_TYPES[config.model_type]) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
-        writer.add_name(f"{folder.name} (LoRA)")
+        writer.add_name(f"{name or folder.name} (LoRA)")
+        writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                              "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype.name])
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
         for key, tensor in sorted(load_file(folder / "adapter_model.safetensors").items()):
@@ -592,5 +613,16 @@ def export_adapter(adapter_dir: Path, output: Path, model_dir: Path) -> Path:
             heads = heads if config.model_type == "llama" else 0
             if heads and m["ab"] == "B":
                 data = _permute(data, heads)
-            writer.add_tensor(f"{base}.lora_{m['ab'].lower()}", np.ascontiguousarray(data))
+            tensor, ggml_type = _adapter_tensor(data, qtype)
+            writer.add_tensor(f"{base}.lora_{m['ab'].lower()}", tensor, raw_dtype=ggml_type)
     return path
+
+
+def _adapter_tensor(data: np.ndarray, qtype) -> tuple[np.ndarray, object]:
+    """(bytes, GGML type) of one LoRA matrix in `qtype`, f16 where q8_0's 32-weight rows do not fit."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if qtype == T.Q8_0 and data.shape[-1] % BLOCK:
+        qtype = T.F16
+    return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), qtype

@@ -103,15 +103,27 @@ _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.
 _LAYER = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<key>.+)$")
 
 
+def check_adapter_quant(quant: str) -> None:
+    """mlx-lm keeps a LoRA adapter in float32 (its adapters.safetensors); another --quant would be ignored."""
+    if PRECISIONS.get(quant) != "float32":
+        raise TunesmithError(f"mlx-lm adapters are float32: drop --quant {quant} with --adapter-only --format mlx")
+
+
 def export_adapter(
-    adapter_dir: Path, output: Path, num_hidden_layers: int | None = None, model_dir: Path | None = None
+    adapter_dir: Path, output: Path, num_hidden_layers: int | None = None, model_dir: Path | None = None,
+    quant: str = "fp32", name: str | None = None,
 ) -> Path:
     """Convert a PEFT LoRA adapter folder into mlx-lm's adapter format at `output`; returns the folder.
 
     mlx-lm computes y = x W^T + scale * (x @ lora_a) @ lora_b, so lora_a = A^T and lora_b = B^T for PEFT's
     y = x W^T + (alpha / r) * B(A(x)). mlx-lm adapts the last `num_layers` blocks; given the model's
-    `num_hidden_layers` (or its folder, `model_dir`) the adapted blocks are checked to be exactly those.
+    `num_hidden_layers` (or its folder, `model_dir`) the adapted blocks are checked to be exactly those. The
+    folder is written whole, with the modes the user's umask gives (as the model export's); `name` is unused.
     """
+    check_adapter_quant(quant)
+    out = Path(output)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "adapters.safetensors").is_file())):
+        raise TunesmithError(f"{out} exists and is not an mlx-lm adapter folder; choose an empty --output")
     if num_hidden_layers is None and model_dir is not None:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         num_hidden_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers")
@@ -159,10 +171,9 @@ def export_adapter(
         },
         "model": peft.get("base_model_name_or_path"),
     }
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / "adapters.safetensors"), metadata={"format": "mlx"})
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    with atomic_folder(out) as tmp:  # safetensors writes its file private (0600); the folder gets the umask's modes
+        save_file(weights, str(tmp / "adapters.safetensors"), metadata={"format": "mlx"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

@@ -3,7 +3,8 @@
     ollama create NAME -f <folder>/Modelfile
 
 The Modelfile uses only Ollama's documented directives: FROM the GGUF beside it, TEMPLATE (the model's chat template
-in Ollama's Go-template syntax), SYSTEM (the system prompt the chat template adds when a conversation has none),
+in Ollama's Go-template syntax), SYSTEM (the system prompt a conversation without one gets: --system, else the one
+every record of the training data opens with, else the chat template's own default),
 PARAMETER stop (the end-of-turn tokens) and PARAMETER temperature / top_p / num_ctx (tunesmith generate's
 defaults and the model's context). The template is converted only for the ChatML layout (SmolLM2, Qwen and the
 like), checked by rendering probe conversations through the tokenizer's own template; for any other layout the
@@ -42,15 +43,18 @@ def export(
     max_seq_len: int,
     calibration: Sequence[Sequence[int]] | None = None,
     progress: bool = True,
+    name: str | None = None,
+    system: str | None = None,
 ) -> Path:
-    """Write the GGUF and a Modelfile into the folder `output`; returns the folder. The other arguments are
+    """Write the GGUF and a Modelfile into the folder `output`; returns the folder. `system`: the Modelfile's
+    SYSTEM prompt ('' for none; None: the chat template's own default, if it has one). The other arguments are
     gguf.export's."""
     out = Path(output)
     if out.suffix:
         raise TunesmithError(f"--format ollama writes a folder (the GGUF and its Modelfile); {out} looks like a file")
     qname = check_quant(quant, group_size)
-    modelfile = modelfile_text(Path(model_dir), f"model-{qname}.gguf")  # refuse before the minutes of export
-    gguf.export(model_dir, out, quant, group_size, max_seq_len, calibration, progress)
+    modelfile = modelfile_text(Path(model_dir), f"model-{qname}.gguf", system)  # refuse before the minutes of export
+    gguf.export(model_dir, out, quant, group_size, max_seq_len, calibration, progress, name)
     (out / MODELFILE).write_text(modelfile, encoding="utf-8")
     return out
 
@@ -61,13 +65,17 @@ def create_command(folder: Path) -> str:
     return f"ollama create {name} -f {Path(folder) / MODELFILE}"
 
 
-def modelfile_text(model_dir: Path, gguf_name: str) -> str:
+def modelfile_text(model_dir: Path, gguf_name: str, system: str | None = None) -> str:
     from tunesmith.config import GenerateConfig
     from tunesmith.models import load_tokenizer
 
+    if system and '"""' in system:  # the Modelfile quotes it in triple quotes, which have no escape
+        raise TunesmithError('the system prompt holds """, which a Modelfile cannot quote; pass --system with one '
+                             'that does not')
     tokenizer = load_tokenizer(str(model_dir))
     lines = [f"FROM ./{gguf_name}"]
-    template, system = chat_template(tokenizer)
+    template, own = chat_template(tokenizer)
+    system = own if system is None else system
     if template is not None:
         lines.append(f'TEMPLATE """{template}"""')
     if system:
