@@ -187,10 +187,12 @@ def test_paths_stacked_on_one_module_undo_in_reverse_order(tokenizer, fake_liger
     ({"fast_paths": "off"}, "cuda", 1, False, (False, False, False)),
     ({"compile": "off"}, "cuda", 1, False, (False, False, True)),
     ({"compile": "on"}, "cpu", 1, False, (True, False, False)),
+    ({"varied": True}, "cuda", 1, False, (True, False, True)),  # records of many lengths: no graph per shape
 ])
 def test_cuda_graphs_go_where_layers_are_compiled_on_one_gpu_and_liger_gives_way(changes, device, world, fsdp,
                                                                                   expected, tokenizer, monkeypatch):
-    setting = Setting(TrainConfig(**changes), device, world, fsdp)
+    varied = changes.pop("varied", False)
+    setting = Setting(TrainConfig(**changes), device, world, fsdp, varied)
     model = make_model(tokenizer)
     assert (setting.compiled, setting.graphs, liger.PATH.wanted(setting, model)) == expected
     assert compiled.PATH.applies(setting, model) is expected[0]

@@ -361,7 +361,8 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     place = _place(cfg, model, data, progress)
     model, tokenizer, data, fingerprint = _load(cfg, place, model, tokenizer, data)
     model, labels = _attach(cfg, model)
-    setting = kernels.Setting(cfg, place.device.type, place.world, place.fsdp)
+    varied = len({len(ids) for ids, _ in data.train}) > 1
+    setting = kernels.Setting(cfg, place.device.type, place.world, place.fsdp, varied)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -852,7 +853,7 @@ def packs_records(setting: kernels.Setting, model, data: TokenData | None) -> bo
     """Whether micro-batches are packed (data.collate_packed): training data of different lengths (.jsonl records;
     text blocks are all --seq-len long and gain nothing), a Llama-family model, eager layers (packed rows change
     shape from batch to batch, which compiled layers and CUDA graphs would recompile for), the fast paths on."""
-    if not setting.auto or setting.compiled or data is None or len({len(ids) for ids, _ in data.train}) < 2:
+    if not setting.auto or setting.compiled or data is None or not setting.varied:
         return False
     return model_type(model) in PACKED_MODEL_TYPES
 

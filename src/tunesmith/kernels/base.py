@@ -37,6 +37,7 @@ class Setting:
     device: str  # cuda, mps or cpu
     world: int = 1  # processes training together
     fsdp: bool = False  # the model is sharded by FSDP2
+    varied: bool = False  # the training examples differ in length (.jsonl records, not --seq-len text blocks)
 
     @property
     def auto(self) -> bool:
@@ -58,10 +59,11 @@ class Setting:
     @property
     def graphs(self) -> bool:
         """The compiled layers replay as CUDA graphs: one CUDA GPU, LoRA on a plain base, no gradient checkpointing
-        (whose recomputation would run a graphed layer inside the backward pass)."""
+        (whose recomputation would run a graphed layer inside the backward pass), examples of one length (a graph
+        is recorded, and its memory kept, for every shape a batch comes in)."""
         cfg = self.cfg
         return (self.compiled and self.device == "cuda" and self.world == 1 and not cfg.gradient_checkpointing
-                and cfg.quantize_base == "none" and cfg.fine_tune_type == "lora")
+                and cfg.quantize_base == "none" and cfg.fine_tune_type == "lora" and not self.varied)
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
