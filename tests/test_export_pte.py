@@ -81,8 +81,9 @@ def test_export_entry_point_keeps_the_contract(folders, monkeypatch, tmp_path):
     """export() merges the adapter into a temp folder and calls <module>.export(model_dir, output, quant, ...)."""
     seen = {}
 
-    def fake_export(model_dir, output, quant, group_size, max_seq_len):
-        seen.update(files={p.name for p in model_dir.iterdir()}, dir=model_dir, args=(output, quant, group_size, max_seq_len))
+    def fake_export(model_dir, output, quant, group_size, max_seq_len, **extras):
+        seen.update(files={p.name for p in model_dir.iterdir()}, dir=model_dir, args=(output, quant, group_size, max_seq_len),
+                    extras=extras)
         return output
 
     monkeypatch.setitem(sys.modules, "tests.fake_format", types.SimpleNamespace(export=fake_export))
@@ -92,6 +93,7 @@ def test_export_entry_point_keeps_the_contract(folders, monkeypatch, tmp_path):
     assert export(cfg) == tmp_path / "m.gguf"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tunesmith-merge.json"} <= seen["files"]
     assert seen["args"] == (tmp_path / "m.gguf", "q8_0", 64, 128)
+    assert set(seen["extras"]) == {"name"} and seen["extras"]["name"]  # gguf names the model inside its file
     assert not seen["dir"].exists()  # the temporary merge is cleaned up
     assert set(FORMATS) == set(dataclasses.fields(ExportConfig)[2].metadata["choices"])
 

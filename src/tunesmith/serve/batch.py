@@ -115,8 +115,12 @@ class BatchedLM:
         attn = inner.model.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.context = context
-        weight = inner.model.embed_tokens.weight  # its dtype and device (it may be a quantized tensor subclass)
-        self.keys = self.values = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        # the cache holds what the layers compute in: the embedding's output dtype, on its device (the table may be
+        # a quantized tensor subclass, or quantformat's CPU int8 module, which has no `weight`)
+        embed = inner.model.embed_tokens
+        where = next(iter([*embed.parameters(), *embed.buffers()]))
+        probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
+        self.keys = self.values = torch.empty(0, dtype=probe.dtype, device=probe.device)
         self._grow(slots, min(context, FIRST_LENGTH))
         self.clean = [0] * slots  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
 
