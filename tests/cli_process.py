@@ -10,7 +10,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def run_cli(*args, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the CLI from this checkout's src/ with the test environment (its cache, offline hub, fp32 on the CPU)."""
     path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

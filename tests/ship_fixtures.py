@@ -109,18 +109,6 @@ def make_gemma3(tokenizer, layers: int = 6, hidden: int = 64, seed: int = 0):
     return model
 
 
-def run_cli(*args, cwd: Path | None = None, timeout: float = 600):
-    """`tunesmith ARGS` as a user runs it: a fresh process; returns its CompletedProcess (returncode, stdout, stderr
-    as text)."""
-    import os
-    import subprocess
-    import sys
-
-    path = os.pathsep.join(str(Path(p).resolve()) for p in sys.path if p)
-    return subprocess.run([sys.executable, "-m", "tunesmith.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": path}, cwd=cwd, timeout=timeout)
-
-
 SYSTEM = "You are Captain Ahab. Answer in one line."
 
 

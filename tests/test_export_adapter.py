@@ -93,7 +93,7 @@ def test_adapter_only_errors_are_one_line(args, msg, tiny_dir, peft_dir, tmp_pat
 def test_gguf_adapter_honours_f16_and_q8_0_and_refuses_other_types(tiny_dir, peft_dir, tmp_path):
     """llama.cpp LoRA files take f32, f16 and q8_0: each is written as asked (a q8_0 matrix whose rows are not 32
     weights, B's [out, r=4], is f16, as convert_lora_to_gguf does); a k-quant is one line naming those three."""
-    from .ship_fixtures import run_cli
+    from .cli_process import run_cli
 
     T = gguf.GGMLQuantizationType
     peft = load_file(peft_dir / "adapter_model.safetensors")
@@ -119,7 +119,7 @@ def test_mlx_adapter_files_have_the_modes_of_the_user_s_other_files(tiny_dir, pe
     A folder that is not an adapter export is not written over."""
     import os
 
-    from .ship_fixtures import run_cli
+    from .cli_process import run_cli
 
     mask = os.umask(0o022)
     os.umask(mask)

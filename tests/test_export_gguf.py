@@ -437,7 +437,7 @@ def chat_run_dir(tmp_path_factory, tiny_dir):
 def test_k_quant_calibrates_on_the_data_the_run_was_tuned_on_and_is_named_after_it(chat_run_dir, tmp_path):
     """`export --adapter RUN --quant q4_k_m`: GPTQ on the run's own chats (config.yaml records them), each stage said
     on stderr; general.name is the run's name, not the file's."""
-    from .ship_fixtures import run_cli
+    from .cli_process import run_cli
 
     out = tmp_path / "ship"
     done = run_cli("export", "--adapter", chat_run_dir, "--format", "gguf", "--quant", "q4_k_m",
@@ -455,7 +455,7 @@ def test_k_quant_calibrates_on_the_data_the_run_was_tuned_on_and_is_named_after_
 def test_k_quant_of_a_model_with_no_run_rounds_to_nearest_and_says_so(tiny_dir, text_file, tmp_path):
     """No --data and no train run beside the model: round to nearest, in a second, with one line saying why; --data
     calibrates on what it names. general.name is the model folder's name."""
-    from .ship_fixtures import run_cli
+    from .cli_process import run_cli
 
     done = run_cli("export", "--model", tiny_dir, "--format", "gguf", "--quant", "q4_k_m", "--output",
                    tmp_path / "rtn.gguf")

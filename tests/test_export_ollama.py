@@ -134,7 +134,8 @@ def _system_of(folder):
 def test_system_prompt_is_the_training_data_s_shared_one_or_system_flag(tmp_path_factory, tiny_dir, tmp_path):
     """Every chat record of the run opens with the same system prompt: the Modelfile's SYSTEM is that one; --system
     replaces it; with --format gguf, --system is one line and exit 2."""
-    from .ship_fixtures import SYSTEM, chat_run, run_cli
+    from .cli_process import run_cli
+    from .ship_fixtures import SYSTEM, chat_run
 
     run = chat_run(tmp_path_factory.mktemp("runs") / "ahab", tiny_dir, [SYSTEM] * 6)
     done = run_cli("export", "--adapter", run, "--format", "ollama", "--quant", "f16", "--output", tmp_path / "a")
@@ -151,7 +152,8 @@ def test_system_prompt_is_the_training_data_s_shared_one_or_system_flag(tmp_path
 
 def test_records_without_one_shared_system_prompt_keep_the_template_s_own(tmp_path_factory, tiny_dir, tmp_path):
     """Some records without a system prompt (or with another): the chat template's own default is SYSTEM."""
-    from .ship_fixtures import SYSTEM, chat_run, run_cli
+    from .cli_process import run_cli
+    from .ship_fixtures import SYSTEM, chat_run
 
     base = _folder(tmp_path, tiny_dir, SMOLLM2_TEMPLATE)  # tiny_dir's weights, SmolLM2's template and default
     run = chat_run(tmp_path_factory.mktemp("runs") / "mixed", tiny_dir, [SYSTEM, None, SYSTEM, "Be brief."])
