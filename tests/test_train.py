@@ -162,16 +162,27 @@ def test_budget_horizon(budget, elapsed, total, min_steps, expected):
 
 def test_the_demo_s_min_steps_trains_that_many_steps_however_little_the_budget(tmp_path, tiny_dir, text_file):
     # A 1 ms budget is spent after any real step, so without a floor the run stops at step 4 (test_checkpoint).
-    from tunesmith.config import DemoConfig, to_dict
+    def config(name, **kw):
+        return tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / name), **kw)
 
-    def demo_config(name, **kw):
-        base = to_dict(tiny_train_config(tmp_path, tiny_dir, text_file, output=str(tmp_path / name)))
-        return DemoConfig(**{**base, "name": name, **kw})
-
-    r = train(demo_config("floor", max_steps=50, time_budget=1e-3, min_steps=7), progress=False)
+    r = train(config("floor", max_steps=50, time_budget=1e-3), progress=False, min_steps=7)
     assert r.steps == 7 and len(r.losses) == 7
-    capped = train(demo_config("capped", max_steps=6, time_budget=1e-3, min_steps=40), progress=False)
+    capped = train(config("capped", max_steps=6, time_budget=1e-3), progress=False, min_steps=40)
     assert capped.steps == 6
+
+
+def test_the_demo_hands_its_min_steps_to_the_trainer(tmp_path, tiny_dir, text_file):
+    """`tunesmith demo` on a slow machine: a time budget spent after any step still trains --min-steps steps."""
+    import io
+
+    from rich.console import Console
+
+    from tunesmith.config import DemoConfig
+    from tunesmith.pipeline import demo
+
+    cfg = DemoConfig(model=str(tiny_dir), data=str(text_file), runs_dir=str(tmp_path), device="cpu", seq_len=32,
+                     batch_size=2, max_steps=20, time_budget=1e-3, min_steps=5, eval_batches=1, sample_tokens=2)
+    assert demo(cfg, console=Console(file=io.StringIO())).train_steps == 5
 
 
 def test_the_demo_trains_at_least_the_steps_the_sweep_needs():

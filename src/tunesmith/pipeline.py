@@ -76,7 +76,7 @@ def demo(cfg: DemoConfig, console=None) -> DemoResult:
     console.print(f"before: held-out perplexity {ppl_before:.2f}")
 
     # The demo reruns into the same folder: DemoConfig.overwrite is on, so train replaces the earlier run.
-    result = train(train_cfg, model=model, tokenizer=tokenizer, data=data)
+    result = train(train_cfg, model=model, tokenizer=tokenizer, data=data, min_steps=cfg.min_steps)
     tuned = result.model
 
     ppl_after, after = measure(tuned)

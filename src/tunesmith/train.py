@@ -264,6 +264,7 @@ def train(
     loss: LossFn | None = None,
     callback: Callback | None = None,
     progress: bool = True,
+    min_steps: int = 0,
 ) -> TrainResult:
     """Train as `cfg` says; the adapter lands in <cfg.output>/adapter (full fine-tuning: the model in
     <cfg.output>/model).
@@ -271,7 +272,8 @@ def train(
     `model`, `tokenizer` and `data` replace loading them (tests pass small ones). `loss(model, batch)` returns the
     summed loss over the batch's supervised tokens and their count (default: the fused loss where a fast path
     provides one, else evaluate.loss_sum). `callback` gets a StepRecord after every optimizer step (its checkpoint,
-    if one was due, already saved); an exception it raises ends the run there."""
+    if one was due, already saved); an exception it raises ends the run there. `min_steps`: --time-budget never
+    cuts the run below this many steps (the demo's floor)."""
     if model is None and (done := finished_run(cfg)):  # (a caller that hands in a model wants it back trained)
         _note(progress, done)
         return TrainResult(Path(cfg.output), Path(cfg.output) / ("model" if cfg.fine_tune_type == "full" else "adapter"),
@@ -283,6 +285,7 @@ def train(
         if fresh and not launched():  # a run that failed before its first step leaves no folder behind
             shutil.rmtree(cfg.output, ignore_errors=True)
         raise
+    run.min_steps = min_steps
     with run.log:
         result = TrainResult(run.run_dir, run.run_dir / ("model" if cfg.fine_tune_type == "full" else "adapter"),
                              trainable_params=trainable_parameters(run.model),
@@ -353,6 +356,7 @@ class Run:
     packed: bool = False  # micro-batches of records of different lengths packed into fewer rows
     graphed: bool = False  # the decoder layers replay as CUDA graphs
     skip_on_device: bool = False  # the non-finite guard's skip taken by the fused AdamW kernel (no sync before it)
+    min_steps: int = 0  # the time budget's floor
 
 
 def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress: bool) -> Run:
@@ -733,7 +737,7 @@ def _fit_budget(cfg: TrainConfig, run: Run, step: int, elapsed: float, task: Tas
     different lengths."""
     if not (cfg.time_budget and step == CALIBRATION_STEPS and run.schedule.total > step):
         return
-    fits = budget_horizon(cfg.time_budget, elapsed, step, run.schedule.total, getattr(cfg, "min_steps", 0))
+    fits = budget_horizon(cfg.time_budget, elapsed, step, run.schedule.total, run.min_steps)
     run.schedule.total = from_main(run.accelerator, fits)
     task.resize(run.schedule.total)
 
