@@ -26,13 +26,25 @@ def load(request: dict):
     import keras_hub
 
     if request["kind"] == "preset":
-        return keras_hub.models.CausalLM.from_preset(request["source"], dtype=request["dtype"])
+        return fp32_logits(keras_hub.models.CausalLM.from_preset(request["source"], dtype=request["dtype"]))
     source, extra = request["source"], request.get("config") or {}
     backbone = keras_hub.models.Backbone.from_preset(source, dtype=request["dtype"], **extra.get("backbone", {}))
     preprocessor = keras_hub.models.CausalLMPreprocessor.from_preset(source, **extra.get("preprocessor", {}))
     task = keras_hub.models.CausalLM.from_preset(source, load_weights=False, backbone=backbone,
                                                  preprocessor=preprocessor)
-    return task
+    return fp32_logits(task)
+
+
+def fp32_logits(model):
+    """In bf16, the output projection in fp32 (ReversibleEmbedding's `reverse_dtype`): its bf16 weights and the
+    bf16 hidden state go in as they are, and the logits come out unrounded. Rounding 49k-262k logits to bf16's 8
+    bits flips near-tied top-1 tokens, which cost Keras bf16 its agreement with PyTorch fp32 (docs/EXPORT.md,
+    "Keras: measured"). KerasHub's backbones do not save `reverse_dtype` in their config, so every load sets it."""
+    embedding = getattr(model.backbone, "token_embedding", None)
+    if embedding is not None and hasattr(embedding, "reverse_dtype") and embedding.reverse_dtype is None:
+        if embedding.compute_dtype != "float32":
+            embedding.reverse_dtype = "float32"
+    return model
 
 
 def logits(model, ids: list[int]):
