@@ -10,7 +10,7 @@ from tunesmith.kernels import offload
 from tunesmith.kernels.base import Setting
 
 from .conftest import tiny_train_config
-from .kernel_fixtures import lora_pair
+from .kernel_fixtures import eager_aot_compile, lora_pair
 
 
 def _batch(tokenizer, rows=2, seq=24):
@@ -127,3 +127,53 @@ def test_train_with_checkpointing_matches_the_run_without(tmp_path, tiny_dir, te
     assert losses[checkpointing_value(value)] == pytest.approx(losses[False], rel=1e-5)
     saved = yaml.safe_load((tmp_path / str(checkpointing_value(value)) / "run" / "config.yaml").read_text())
     assert checkpointing_value(saved["gradient_checkpointing"]) == checkpointing_value(value)
+
+
+def test_the_lora_aware_mlp_skips_its_down_projection_when_recomputed(tokenizer, monkeypatch):
+    """With the LoRA-aware MLP (its PyTorch reference off CUDA), the recomputation skips the down projection's
+    product: once a layer (the forward), not twice; the gradients are the unfused model's."""
+    from tunesmith.kernels import lora_mlp
+
+    plain, ckpt = lora_pair(tokenizer)
+    assert lora_mlp.fuse_mlp(ckpt) == 2
+    offload.checkpoint_layers(ckpt, offload.Offloader(torch.device("cpu"), offload=True))
+    calls = []
+    real = lora_mlp.products_sum
+    monkeypatch.setattr(lora_mlp, "products_sum", lambda mats, alphas: calls.append(len(mats)) or real(mats, alphas))
+    batch = _batch(tokenizer)
+    _, plain_loss, plain_grads = _kept_loss_grads(plain, batch)
+    _, loss, grads = _kept_loss_grads(ckpt, batch)
+    assert calls.count(4) == 2  # the down projection: the two layers' forwards; their recomputations skip it
+    assert calls.count(6) == 2  # the input's gradient, in each layer's backward
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=1e-4, atol=1e-6)
+    assert not lora_mlp._output_unused
+
+
+def test_compiled_layers_stay_compiled_and_checkpointed(tokenizer, monkeypatch):
+    """A compiled layer (compile on, as the trainer compiles them) under the path: its module call is eager, its
+    forward compiled (and captured: dynamo's graphs), the gradients the uncompiled model's; undo gives the compiled
+    module call back."""
+    from tunesmith.kernels import compiled
+
+    eager_aot_compile(monkeypatch)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    plain, ckpt = lora_pair(tokenizer)
+    compiled.compile_layers(ckpt)
+    calls = [layer._compiled_call_impl for layer in offload.decoder_layers(ckpt)]
+    offload.checkpoint_layers(ckpt, offload.Offloader(torch.device("cpu"), offload=True))
+    layers = offload.decoder_layers(ckpt)
+    assert all(layer._compiled_call_impl is None for layer in layers)
+    assert all(type(vars(layer)["tunesmith_checkpointed"].run).__name__ != "method" for layer in layers)
+    batch = _batch(tokenizer)
+    _, plain_loss, plain_grads = _kept_loss_grads(plain, batch)
+    _, loss, grads = _kept_loss_grads(ckpt, batch)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=1e-4, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    torch._dynamo.reset()
+    offload.uncheckpoint_layers(ckpt)
+    assert [layer._compiled_call_impl for layer in layers] == calls
