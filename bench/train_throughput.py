@@ -12,6 +12,10 @@ steps, each in its own process (Liger and Unsloth patch transformers classes glo
   counted once whether tied or not; the embedding is a lookup) + 12 x layers x seq x hidden for attention
   (PaLM's formula, which counts the full score matrix, not its causal half);
 - the mean loss of the first and last 5 steps: every tool should be training the same problem.
+
+The -ckpt rows train with gradient checkpointing in every tool: tunesmith with its most memory-saving setting
+(`gradient_checkpointing=offload`, CHECKPOINTED), Unsloth with its default offloaded checkpointing, the Trainer's
+tools with its `gradient_checkpointing`.
 - the GPU's state over the timed steps (CUDA, where nvidia-smi answers): the median SM clock and board power and
   the highest temperature, sampled every 100 ms by the parent process while the tool runs. A GPU that lowers its
   clock under a power or heat limit runs a faster tool's steps slower: same-run ratios carry that, and this says
@@ -64,11 +68,17 @@ PACKAGES = ("torch", "transformers", "peft", "accelerate", "liger-kernel", "unsl
 ROWS = {r.name: r for r in [
     Row("llama-1b", L1B, 2048, 8, 16, 32, ("all-linear",)),
     Row("llama-8b", L8B, 2048, 4, 16, 32, ("all-linear",)),
+    Row("llama-1b-ckpt", L1B, 2048, 8, 16, 32, ("all-linear",)),
+    Row("llama-8b-ckpt", L8B, 2048, 4, 16, 32, ("all-linear",)),
     Row("llama-1b-qv", L1B, 1024, 8, 8, 16, QV),
     Row("smollm2", SMOL, 1024, 8, 8, 16, QV),
     Row("smollm2-cpu", "real:smollm2-135m-instruct", 256, 4, 8, 16, QV),
     Row("smoke", "tiny", 32, 2, 8, 16, ("all-linear",)),
 ]}
+# Rows where every tool checkpoints: tunesmith with its most memory-saving setting (these flags; --ts-flags may
+# override them), Unsloth with its default offloaded checkpointing, the Trainer's tools with its own.
+CHECKPOINTED = {"llama-1b-ckpt": {"gradient_checkpointing": "offload"},
+                "llama-8b-ckpt": {"gradient_checkpointing": "offload"}}
 DEFAULTS = {  # device -> rows, tools, steps, warm-up steps
     "cuda": (["llama-1b", "llama-8b", "llama-1b-qv", "smollm2"], TOOLS, 30, 5),
     "cpu": (["smollm2-cpu"], TOOLS[:3], 12, 3),
@@ -131,7 +141,7 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
     from tunesmith.train import train
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    flags = parse_flags(a.ts_flags) | (PLAIN_FLAGS if a.worker == "tunesmith-plain" else {})
+    flags = CHECKPOINTED.get(row.name, {}) | parse_flags(a.ts_flags) | (PLAIN_FLAGS if a.worker == "tunesmith-plain" else {})
     for name in sorted(set(flags) - known):
         print(f"train_throughput: TrainConfig has no field {name!r}; ignored", file=sys.stderr)
     flags = {k: v for k, v in flags.items() if k in known}
@@ -150,7 +160,10 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
         result = train(cfg, data=TokenData(train=data, valid=[], source="bench"), progress=False,
                        callback=lambda r: (ends.append(r.elapsed), walls.append(time.time())))
     times = [b - e for e, b in zip([0.0, *ends], ends, strict=False)]
-    return times, result.losses, result.trainable_params, {"flags": flags, "step_end_unix": walls}
+    notes = {"flags": flags, "step_end_unix": walls}
+    if flags.get("gradient_checkpointing"):
+        notes["gradient_checkpointing"] = str(flags["gradient_checkpointing"])
+    return times, result.losses, result.trainable_params, notes
 
 
 def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], list[float], int, dict]:
@@ -165,6 +178,7 @@ def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], lis
     dtype = torch.bfloat16 if cuda else torch.float32
     all_linear = row.targets == ("all-linear",)
     notes: dict = {}
+    checkpointed = row.name in CHECKPOINTED
     if a.worker == "unsloth":
         from unsloth import FastLanguageModel
 
@@ -174,9 +188,12 @@ def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], lis
         model = FastLanguageModel.get_peft_model(
             model, r=row.rank, target_modules=ALL_LINEAR if all_linear else list(row.targets),
             lora_alpha=row.alpha, lora_dropout=a.dropout, bias="none",
-            use_gradient_checkpointing="unsloth" if a.unsloth_checkpointing == "unsloth" else False, random_state=0)
-        notes["gradient_checkpointing"] = ("unsloth (its default; the other tools run without)"
-                                           if a.unsloth_checkpointing == "unsloth" else "off, as the other tools")
+            use_gradient_checkpointing="unsloth" if a.unsloth_checkpointing == "unsloth" or checkpointed else False,
+            random_state=0)
+        notes["gradient_checkpointing"] = (
+            "unsloth (its default), as every tool checkpoints in this row" if checkpointed
+            else "unsloth (its default; the other tools run without)" if a.unsloth_checkpointing == "unsloth"
+            else "off, as the other tools")
     else:
         if a.worker == "liger":
             import liger_kernel  # noqa: F401  -- missing: a clear ImportError before the model loads
@@ -217,7 +234,8 @@ def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], lis
             output_dir=out, per_device_train_batch_size=row.batch, max_steps=a.steps, learning_rate=2e-4,
             lr_scheduler_type="constant", warmup_steps=0, bf16=cuda, use_cpu=not cuda, logging_steps=1,
             save_strategy="no", report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=0,
-            gradient_checkpointing=False, use_liger_kernel=a.worker == "liger", disable_tqdm=True)
+            gradient_checkpointing=checkpointed and a.worker != "unsloth", use_liger_kernel=a.worker == "liger",
+            disable_tqdm=True)
         trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[clock])
         trainer._get_train_sampler = lambda *_, **__: torch.utils.data.SequentialSampler(ds)
         trainer.train()
@@ -499,7 +517,8 @@ def main() -> int:
                     "(tunesmith-plain then sets PLAIN_FLAGS over them)")
     ap.add_argument("--unsloth-checkpointing", choices=["unsloth", "off"], default="unsloth",
                     help="Unsloth's use_gradient_checkpointing: its default ('unsloth': offloaded checkpoints), or off "
-                         "as the other tools run (the configuration of the figures first quoted for it)")
+                         "as the other tools run (the configuration of the figures first quoted for it); the -ckpt "
+                         "rows checkpoint in every tool whatever this says")
     ap.add_argument("--out", default="", help="JSON Lines file the results are appended to "
                     "(default: <workdir>/results.jsonl)")
     ap.add_argument("--workdir", default="/tmp/tt-bench", help="model folders, logs, temporary run folders")

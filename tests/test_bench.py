@@ -32,6 +32,17 @@ def test_the_plain_path_names_only_train_config_fields(tt):
     assert set(tt.PLAIN_FLAGS) <= {f.name for f in dataclasses.fields(TrainConfig)}
 
 
+def test_checkpointed_rows_take_the_most_memory_saving_setting(tt):
+    # the -ckpt rows: the 1B and 8B rows' shapes, with tunesmith's offloaded checkpointing, a value TrainConfig reads
+    from tunesmith.config import TrainConfig, checkpointing_value
+
+    for name, flags in tt.CHECKPOINTED.items():
+        row, plain = tt.ROWS[name], tt.ROWS[name.removesuffix("-ckpt")]
+        assert dataclasses.replace(row, name=plain.name) == plain
+        assert checkpointing_value(flags["gradient_checkpointing"]) == "offload"
+        assert set(flags) <= {f.name for f in dataclasses.fields(TrainConfig)}
+
+
 def test_gpu_lines_parse_to_numbers_and_anything_else_to_none(tt):
     assert tt.parse_gpu_line("1980, 689.52, 61\n") == (1980.0, 689.52, 61.0)
     for bad in ("[N/A], 600.0, 50", "clocks.sm [MHz], power.draw [W], temperature.gpu", "", "1980, 600"):

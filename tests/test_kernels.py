@@ -17,7 +17,7 @@ import torch
 from tunesmith import kernels
 from tunesmith.config import TrainConfig
 from tunesmith.evaluate import loss_sum
-from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, qkv, recompute
+from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, offload, qkv, recompute
 from tunesmith.kernels.base import Setting, replaced_by
 from tunesmith.train import train
 
@@ -52,6 +52,7 @@ SETTINGS = {
     lora.PATH.name: ("cpu", {}),
     compiled.PATH.name: ("cpu", {"compile": "on"}),
     recompute.PATH.name: ("cpu", {}),
+    offload.PATH.name: ("cpu", {"gradient_checkpointing": "offload"}),  # kept on the device there
 }
 
 LIGER_LOSS_PROTOCOL = """

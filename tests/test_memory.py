@@ -108,6 +108,29 @@ def test_activations_equal_what_autograd_keeps(tokenizer, precision, dropout, ta
     assert kept == pytest.approx(predicted + adapter_copies, rel=0.02)
 
 
+@pytest.mark.parametrize("copied", [False, True])
+def test_checkpointed_layers_keep_what_the_plan_counts(tokenizer, copied):
+    """tunesmith's checkpointed layers (kernels.offload) against the tensors saved for backward: each layer's input
+    and the final norm's, as the plan counts them; with the inputs copied out (offload's bookkeeping, as on CUDA)
+    every layer's input leaves, as the offload plan takes them off the device."""
+    from tunesmith.kernels import offload
+
+    model = attach_lora(make_model(tokenizer, layers=3, hidden=128), 8, 16.0, 0.0, ["all-linear"])
+    shape = M.ModelShape.from_config(model.config)
+    offload.checkpoint_layers(model, offload.Offloader(torch.device("cpu"), offload=copied))
+    b, s = 2, 64
+    kept = _kept_by_one_forward(model, shape.vocab, b, s, "fp32", False)
+    inputs = 0 if copied else shape.layers
+    # (+ the final norm's 1/rms and the loss's targets: a few hundred bytes, left out of the plan)
+    assert kept == pytest.approx((inputs + 1) * shape.hidden * 4 * b * s + 4 * shape.vocab * b * (s - 1), rel=0.01)
+    setup = M.TrainSetup(seq_len=s, batch_size=b, lora_targets=("all-linear",), lora_dropout=0.0,
+                         gradient_checkpointing=True, device_type="cuda")
+    on, off = (M.train_parts(shape, replace(setup, gradient_checkpointing=c))["activations"] for c in (True, "offload"))
+    assert on - off == (shape.layers - M.OFFLOADED_INPUTS) * shape.hidden * 4 * b * s  # two stay: in flight
+    cpu = replace(setup, device_type="cpu")  # elsewhere offload keeps them on the device, as on does
+    assert M.train_parts(shape, replace(cpu, gradient_checkpointing="offload")) == M.train_parts(shape, cpu)
+
+
 @pytest.mark.parametrize(("precision", "dropout", "targets"), [
     ("fp32", 0.0, ["q_proj", "v_proj"]),
     ("fp32", 0.1, ["all-linear"]),

@@ -162,6 +162,20 @@ def resume_value(value: bool | str) -> bool | str:
     raise ValueError(f"must be true, false or a checkpoint folder, got {value!r}")
 
 
+def checkpointing_value(value: bool | str) -> bool | str:
+    """--gradient-checkpointing: true (on), false (off) or 'offload'."""
+    if isinstance(value, bool):
+        return value
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in ("on", "true"):
+        return True
+    if word in ("off", "false"):
+        return False
+    if word == "offload":
+        return "offload"
+    raise ValueError(f"must be on, off or offload, got {value!r}")
+
+
 def targets_value(value: str | list[str]) -> list[str]:
     """LoRA target modules: a comma-separated string or a list; 'all-linear' targets every linear layer."""
     if isinstance(value, str):
@@ -308,8 +322,11 @@ class TrainConfig(DataConfig, ModelConfig):
     eval_batches: int = opt(25, "validation batches per evaluation, the split's first (0 or all: the whole split, "
                             "which on a large split can take longer than training)", type=batches_value,
                             bounds=COUNT, aliases=("val_batches",))
-    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory",
-                                       aliases=("grad_checkpoint",))
+    gradient_checkpointing: bool | str = opt(
+        False, "keep only each decoder layer's input for the backward pass, which recomputes the layer, to save "
+        "memory: on (the flag alone), off, or offload: on a CUDA GPU the inputs also wait in pinned host memory, "
+        "copied while the layers compute (the least memory; one process)", type=checkpointing_value, nargs="?",
+        const=True, metavar="on|off|offload", aliases=("grad_checkpoint",))
     fast_paths: str = opt("auto", "auto: the fast paths that apply to this model and device (a fused loss, fused "
                           "LoRA and q/k/v, Liger's and tunesmith's Triton kernels on CUDA, compiled layers, packed "
                           "records, cheap activations recomputed; docs/PERFORMANCE.md); off: the plain "
@@ -498,7 +515,7 @@ class FitConfig(ModelConfig):
     lora_rank: int = same_as(TrainConfig, "lora_rank")
     lora_targets: list[str] = same_as(TrainConfig, "lora_targets")
     lora_dropout: float = same_as(TrainConfig, "lora_dropout")
-    gradient_checkpointing: bool = same_as(TrainConfig, "gradient_checkpointing")
+    gradient_checkpointing: bool | str = same_as(TrainConfig, "gradient_checkpointing")
     fine_tune_type: str = same_as(TrainConfig, "fine_tune_type")
     quantize_base: str = same_as(TrainConfig, "quantize_base")
     base_calibration: int = same_as(TrainConfig, "base_calibration")

@@ -48,6 +48,8 @@ CPU_TOKENIZER_BYTES_PER_VOCAB = 1280
 # 440 MiB at 1.1 GiB); with checkpointing more: the layers' freed forward temporaries still fill the heap when
 # the logits peak comes. The mean of the measured runs, without and with checkpointing.
 CPU_HEAP_SLACK_BYTES = {False: 256 * 2**20, True: 540 * 2**20}
+# --gradient-checkpointing offload: decoder-layer inputs on the device at once (tunesmith.kernels.offload)
+OFFLOADED_INPUTS = 2
 # A quantized base adds to it: every product dequantizes a weight into fresh memory, forward and backward, and those
 # blocks (a few MiB each) come from glibc's heaps, which keep them. Measured on SmolLM2-135M (docs/MEMORY.md,
 # "Training modes on the CPU"): 0.44-0.79 GiB more than the plan's tensors without checkpointing, 0.1 with it
@@ -198,7 +200,7 @@ class TrainSetup:
     lora_dropout: float = 0.05
     precision: str = "fp32"  # fp32 | bf16 | fp16 (bf16/fp16: weights in that dtype, autocast compute)
     optimizer: str = "adamw"  # adamw | adamw8bit (| sgd: no state)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | str = False  # True, or "offload": the layer inputs wait in host memory (CUDA)
     fused_sdpa: bool = True  # False: attention scores (B x heads x S x S) are materialised
     fused_loss: bool = False  # True: cross-entropy in row chunks (tunesmith.kernels.loss), no [B x S x vocab] logits
     device_type: str = "cuda"  # cuda's dropout keeps a 1-byte mask; the CPU and MPS keep fp32 noise
@@ -213,6 +215,12 @@ class TrainSetup:
     @property
     def full(self) -> bool:
         return self.fine_tune_type == "full"
+
+    @property
+    def offloaded(self) -> bool:
+        """--gradient-checkpointing offload where it moves the layer inputs off the device: one process (not
+        FSDP2, not DDP: tunesmith.kernels.offload) on a CUDA GPU."""
+        return self.gradient_checkpointing == "offload" and self.device_type == "cuda" and self.world == 1
 
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # as tunesmith.lora finds a decoder layer's index
@@ -490,8 +498,12 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         # Each layer keeps only its input (every layer: the trainer makes the embedding's output require grad).
         # Backward recomputes one layer at a time, after the logits' gradient is gone, so that layer counts only
         # where it outweighs the logits peak.
+        # Offloaded, two inputs at most are on the device at once: the one being copied out while the next layer
+        # computes (its memory held until the copy has read it) or, backward, the one in use and the next one
+        # being copied back.
         one = (layer + lora // kept) * tokens + 2 * scores + fixed // kept
-        activations = shape.layers * shape.hidden * residual * tokens + max(0, one - logits)
+        inputs = min(OFFLOADED_INPUTS, shape.layers) if s.offloaded else shape.layers
+        activations = inputs * shape.hidden * residual * tokens + max(0, one - logits)
     else:
         # The lowest trained layer's first norm keeps nothing for its input, which needs no gradient (the frozen
         # embedding's output); a full fine-tuning of every layer trains the embedding, so there it does.
@@ -543,9 +555,9 @@ def cpu_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int]) -> dict[s
     mapped file while the converted copy is made: for that moment the file's pages are resident beside the
     weights (Gemma 3 270M's fp32 file, 1 GiB, loaded in bf16)."""
     out = {"runtime": CPU_RUNTIME_BYTES + CPU_TOKENIZER_BYTES_PER_VOCAB * shape.vocab,
-           "allocator": CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]}
+           "allocator": CPU_HEAP_SLACK_BYTES[bool(s.gradient_checkpointing)]}
     if s.quantize_base != "none":
-        out["allocator"] += CPU_DEQUANT_SLACK_BYTES[s.gradient_checkpointing]
+        out["allocator"] += CPU_DEQUANT_SLACK_BYTES[bool(s.gradient_checkpointing)]
     w = 4 if s.precision == "fp32" or s.full else 2
     if shape.saved_bytes and shape.saved_bytes != w and s.quantize_base == "none":
         loading = out["runtime"] + parts["weights"] + shape.params * shape.saved_bytes
@@ -769,7 +781,7 @@ def print_plan(p: FitPlan, device_line: str, console=None) -> None:
     s = p.setup
     console.print(f"[bold]device[/] {device_line}")
     console.print(f"[bold]training peak[/] at seq {s.seq_len} x micro-batch {s.batch_size}, {describe(s)}, "
-                  f"{s.precision}, {s.optimizer}{', gradient checkpointing' if s.gradient_checkpointing else ''}")
+                  f"{s.precision}, {s.optimizer}{checkpointing_words(s)}")
     table = Table()
     table.add_column("part")
     table.add_column("GiB", justify="right")
@@ -781,6 +793,12 @@ def print_plan(p: FitPlan, device_line: str, console=None) -> None:
     console.print(verdict(p))
     inf = ", ".join(f"{bits} {sum(parts.values()) / GIB:.2f} GiB" for bits, parts in p.inference.items())
     console.print(f"inference (weights + KV cache for {s.seq_len} tokens): {inf}")
+
+
+def checkpointing_words(s: TrainSetup) -> str:
+    if not s.gradient_checkpointing:
+        return ""
+    return ", gradient checkpointing" + (" (layer inputs in pinned host memory)" if s.offloaded else "")
 
 
 def describe(s: TrainSetup) -> str:

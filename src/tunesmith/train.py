@@ -81,7 +81,7 @@ from tunesmith.distributed import (
 )
 from tunesmith.errors import Interrupted, PeerLost, TunesmithError
 from tunesmith.evaluate import EvalResult, eval_rounds, evaluate, loss_sum
-from tunesmith.kernels import compiled, liger, recompute
+from tunesmith.kernels import compiled, liger, offload, recompute
 from tunesmith.kernels.base import LossFn, model_type
 from tunesmith.kernels.compiled import eager_layers, own_gradients, recomputing
 from tunesmith.kernels.liger_loss import liger_available
@@ -367,12 +367,16 @@ def _setup(cfg: TrainConfig, model, tokenizer, data: TokenData | None, progress:
     model, labels = _attach(cfg, model)
     varied = len({len(ids) for ids, _ in data.train}) > 1
     setting = kernels.Setting(cfg, place.device.type, place.world, place.fsdp, varied)
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing:  # transformers' checkpointing, unless tunesmith's checkpointed layers take over
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
     if liger.PATH.wanted(setting, model) and not liger_available():
         place.say("liger-kernel is not installed: pip install 'tunesmith[cuda]' for its Triton kernels")
     applied = kernels.apply_paths(model, setting)
+    if cfg.gradient_checkpointing and not applied.took(offload.PATH):
+        model.enable_input_require_grads()  # transformers' checkpoint needs each layer's input to require grad
+    if cfg.gradient_checkpointing == "offload" and not (applied.took(offload.PATH) and place.device.type == "cuda"):
+        place.say("--gradient-checkpointing offload: layer inputs go to pinned host memory in a one-process run on a "
+                  "CUDA GPU; here they stay on the device, as with --gradient-checkpointing on")
     graphed = applied.took(compiled.PATH) and setting.graphs
     packed = packs_records(setting, model, data)
     labels += applied.labels + (["packed records"] if packed else [])

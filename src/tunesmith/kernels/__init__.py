@@ -5,7 +5,8 @@ was applied in reverse order when training ends (`Applied.undo`). `--fast-paths 
 path (transformers' layers, PEFT's LoRA, evaluate.loss_sum) that every path is tested against.
 
 The order matters where two paths touch one module: Liger's SwiGLU gives way to the LoRA-aware MLP, and the eager
-recompute functions pass over modules another path already replaced. A run takes one loss: the first loss path
+recompute functions pass over modules another path already replaced; the checkpointed layers come after the compiled
+ones, whose module calls they take over. A run takes one loss: the first loss path
 that applies (Liger's kernel where it can run, else the plain chunks).
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, qkv, recompute
+from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, offload, qkv, recompute
 from tunesmith.kernels.base import LossFn, Setting
 
 PATHS = (
@@ -27,6 +28,7 @@ PATHS = (
     lora.PATH,  # fused LoRA (eager layers)
     compiled.PATH,  # regional compile, CUDA graphs
     recompute.PATH,  # cheap activations recomputed
+    offload.PATH,  # checkpointed layers, inputs offloaded (after compile: it compiles their forwards instead)
 )
 
 

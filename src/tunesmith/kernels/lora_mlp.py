@@ -18,6 +18,7 @@ checked against them by the tests under Triton's interpreter where Triton is ins
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -320,11 +321,13 @@ class LoraMLPFunction(torch.autograd.Function):
     sum with a rank-r term."""
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, agu, bg, bu, ad, bd, sg: float, su: float, sd: float):
+    def forward(ctx, x, wg, wu, wd, agu, bg, bu, ad, bd, sg: float, su: float, sd: float, unused: bool = False):
         g0, u0 = x @ wg.t(), x @ wu.t()
         xa = x @ agu.t()
         h, ha = lora_swiglu(g0, u0, xa, bg, bu, ad, sg, su)
-        y = products_sum([h, wd.t(), ha, bd.t()], [1.0, sd])
+        # unused: a checkpointed layer's recomputation, which needs only what backward keeps, not the output (its
+        # backward reads none of it): the down projection's product, a third of the MLP's, is skipped
+        y = x.new_zeros(x.shape[0], wd.shape[0]) if unused else products_sum([h, wd.t(), ha, bd.t()], [1.0, sd])
         ctx.save_for_backward(x, g0, u0, xa, ha, wg, wu, wd, agu, bg, bu, ad, bd)
         ctx.scales = (sg, su, sd)
         return y
@@ -342,7 +345,7 @@ class LoraMLPFunction(torch.autograd.Function):
         dbu = (du.t() @ xa[:, r:]).mul_(su)
         dx = products_sum([dg, wg, du, wu, dxa, agu], [1.0, 1.0, 1.0]) if ctx.needs_input_grad[0] else None
         dagu = dxa.t() @ x
-        return dx, None, None, None, dagu, dbg, dbu, dad, dbd, None, None, None
+        return dx, None, None, None, dagu, dbg, dbu, dad, dbd, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------ the path
@@ -392,8 +395,26 @@ def _forward(self, x):
                               up.base_layer.weight.to(dtype), down.base_layer.weight.to(dtype), agu,
                               gate.lora_B[ng].weight.to(dtype), up.lora_B[nu].weight.to(dtype),
                               down.lora_A[nd].weight.to(dtype), down.lora_B[nd].weight.to(dtype),
-                              float(gate.scaling[ng]), float(up.scaling[nu]), float(down.scaling[nd]))
+                              float(gate.scaling[ng]), float(up.scaling[nu]), float(down.scaling[nd]),
+                              _output_unused)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+_output_unused = False  # read by _forward (the compiler guards on it: a recomputation compiles its own graph)
+
+
+@contextlib.contextmanager
+def output_unused():
+    """Inside the block, the LoRA-aware MLP skips its down projection and returns zeros: for a checkpointed layer's
+    recomputation in the backward pass, which needs what the MLP keeps for its backward (x, the gate and up
+    products, the rank-r down-projections, all computed) and the gradient of its output, never the output itself.
+    The gradients are those of the full forward, bit for bit."""
+    global _output_unused
+    before, _output_unused = _output_unused, True
+    try:
+        yield
+    finally:
+        _output_unused = before
 
 
 def fuse_mlp(model: torch.nn.Module) -> int:
