@@ -12,7 +12,8 @@ at its own positions. It is allocated once for `FIRST_LENGTH` positions (or the 
 up to the context, in the rare step where a row needs more: a model with a long context does not reserve it all
 for every slot up front. On the CPU `torch.empty` is backed by the OS only where written; positions are zeroed a
 block at a time as rows reach them, so resident memory follows the longest answers, and nothing is allocated per
-token.
+token. Rows whose slots are consecutive and in order (serve.engine keeps the running answers in the lowest slots)
+read their keys and values in place; others are gathered.
 
 LoRA: every adapter's A of one linear stacked by rank ([in, sum of ranks]) and every B beside it ([sum of ranks,
 out]); a per-token mask keeps the columns of the token's own adapter, times its scale, and zeroes the rest, so
