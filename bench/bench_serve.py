@@ -25,7 +25,8 @@ llama.cpp's server (llama-cpp-python[server], `python -m llama_cpp.server`) is m
 same model exported by `tunesmith export --format gguf` to each of --llama-cpp's types (f16 and q8_0, rounded to
 nearest as llama-quantize does), with as many threads as CPUs. Its Python server answers one request at a time (a
 lock around the model; by default a new request even cuts off the one streaming, which --interrupt_requests False
-turns off here, so requests queue and each is answered whole): the same base prompts, rendered by the model's chat
+turns off here, so requests queue and each is answered whole; ggml's extra buffer types are off too, see
+LLAMA_SERVER): the same base prompts, rendered by the model's chat
 template and sent to /v1/completions (llama-cpp-python picks its own chat format, which may differ), alone then
 CLIENTS at once, greedy, streamed. It does not report usage when streaming: its completion tokens are the chunks that
 carry text, plus the end token for an answer that stopped (tunesmith's usage counts it too). "same as alone" compares
