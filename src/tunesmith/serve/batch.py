@@ -246,7 +246,8 @@ def _plain_cpu_weight(module: torch.nn.Module) -> torch.Tensor | None:
     if type(module) is not torch.nn.Linear or module.bias is not None:
         return None
     w = module.weight
-    return w if type(w) is torch.nn.Parameter and w.dtype == torch.float32 and w.device.type == "cpu" else None
+    plain = type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor  # not a quantized tensor subclass
+    return w if plain and w.dtype == torch.float32 and w.device.type == "cpu" else None
 
 
 class PerRow:
