@@ -2,7 +2,7 @@
 mixed over the base and two adapters, on the built-in SmolLM2-135M-Instruct unless told otherwise.
 
     python bench/bench_serve.py [--model smollm2-135m-instruct] [--clients 12] [--max-tokens 64] \
-        [--reference-src DIR] [--json out.json]
+        [--reference-src DIR] [--llama-cpp f16,q8_0] [--llama-python PYTHON] [--json out.json]
 
 One server (`tunesmith serve --port 0 --parallel CLIENTS`, its own process) with two LoRA adapters made for the
 run (rank 16 on every linear of every layer, B drawn small and non-zero, so each answers its own way). It is warmed
@@ -20,6 +20,18 @@ figure for the alone requests (tokens / the sum of their times). --reference-src
 first from another checkout's src/ (the code before a change, say), and asks it each base request alone right after
 the first server answers it, so that the two single streams meet the same load on a shared machine: compare its
 decode tok/s per client with "alone, base only".
+
+llama.cpp's server (llama-cpp-python[server], `python -m llama_cpp.server`) is measured after tunesmith's, on the
+same model exported by `tunesmith export --format gguf` to each of --llama-cpp's types (f16 and q8_0, rounded to
+nearest as llama-quantize does), with as many threads as CPUs. Its Python server answers one request at a time (a
+lock around the model; by default a new request even cuts off the one streaming, which --interrupt_requests False
+turns off here, so requests queue and each is answered whole; ggml's extra buffer types are off too, see
+LLAMA_SERVER): the same base prompts, rendered by the model's chat
+template and sent to /v1/completions (llama-cpp-python picks its own chat format, which may differ), alone then
+CLIENTS at once, greedy, streamed. It does not report usage when streaming: its completion tokens are the chunks that
+carry text, plus the end token for an answer that stopped (tunesmith's usage counts it too). "same as alone" compares
+its answers with its own alone answers. It is skipped, with a message, when --llama-python (default: this Python) has
+no llama_cpp.server.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from openai import AsyncOpenAI
+from openai import APIConnectionError, AsyncOpenAI
 
 PROMPTS = [
     "Write two lines about the sea.",
@@ -78,7 +90,7 @@ def make_adapters(model: str, folder: Path) -> list[str]:
 
 
 def start_server(model: str, parallel: int, adapters: list[str], src: str | None = None):
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     flags = [f for a in adapters for f in ("--adapter", a)]
@@ -92,49 +104,115 @@ def start_server(model: str, parallel: int, adapters: list[str], src: str | None
     return proc, line.split(" at ")[1].split()[0]
 
 
-async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> dict:
+def export_gguf(model: str, quant: str, folder: Path) -> Path:
+    """`tunesmith export` of `model` to a GGUF of type `quant`, rounded to nearest (as llama-quantize does)."""
+    out = folder / f"model-{quant}.gguf"
+    subprocess.run([sys.executable, "-m", "tunesmith.cli", "export", "--model", model, "--format", "gguf", "--quant",
+                    quant, "--calibration-blocks", "0", "--output", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+# `python -m llama_cpp.server` with ggml's extra buffer types off (llama.cpp's --no-repack; the server has no flag for
+# it): on this AMX-capable CPU the repacked q8_0 weights end in a general protection fault in libggml-cpu (q8_0 from
+# llama.cpp's own quantizer too), so both types run with the plain CPU kernels.
+LLAMA_SERVER = """
+import runpy, llama_cpp, llama_cpp.llama
+default = llama_cpp.llama_model_default_params
+def params():
+    p = default()
+    p.use_extra_bufts = False
+    return p
+llama_cpp.llama_model_default_params = llama_cpp.llama.llama_cpp.llama_model_default_params = params
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
+def llama_cpp_missing(python: str) -> str | None:
+    """Why llama.cpp's server cannot be measured with `python`, or None when it can."""
+    probe = subprocess.run([python, "-c", "import llama_cpp.server.app"], capture_output=True, text=True)
+    if probe.returncode:
+        last = (probe.stderr.strip().splitlines() or ["not found"])[-1]
+        return (f"llama.cpp's server skipped: {python} has no llama_cpp.server ({last}); pip install "
+                "'llama-cpp-python[server]' there, or pass --llama-python a Python that has it")
+    return None
+
+
+def start_llama_server(python: str, gguf: Path, alias: str):
+    """llama-cpp-python's OpenAI server on a free port, as many threads as CPUs; (process, base URL)."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = str(os.cpu_count())
+    proc = subprocess.Popen([python, "-c", LLAMA_SERVER, "--model", str(gguf), "--model_alias", alias,
+                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", threads,
+                             "--n_threads_batch", threads, "--interrupt_requests", "False", "--verbose", "False"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"llama.cpp's server ended at start (exit {proc.returncode}) on {gguf}")
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=1).close()
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("llama.cpp's server did not answer within 60 s")
+
+
+async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, render=None) -> dict:
+    """One streamed greedy request: chat, or with `render` (prompt -> text), a completion of the rendered text."""
     sent = time.perf_counter()
     first = None
     parts, finish, usage = [], None, None
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=max_tokens,
-        stream=True, stream_options={"include_usage": True})
+    if render is None:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True})
+    else:
+        stream = await client.completions.create(model=model, prompt=render(prompt), temperature=0,
+                                                 max_tokens=max_tokens, stream=True)
     async for chunk in stream:
         if chunk.usage:
             usage = chunk.usage
         for choice in chunk.choices:
-            if choice.delta.content:
+            text = choice.delta.content if render is None else choice.text
+            if text:
                 first = first or time.perf_counter()
-                parts.append(choice.delta.content)
+                parts.append(text)
             finish = choice.finish_reason or finish
     end = time.perf_counter()
-    tokens = usage.completion_tokens if usage else 0
+    tokens = usage.completion_tokens if usage else len(parts) + (finish == "stop")  # see the module's docstring
     return {"model": model, "prompt": prompt, "text": "".join(parts), "finish": finish, "tokens": tokens,
             "sent": sent, "ttft": (first or end) - sent, "end": end,
             "tps": (tokens - 1) / (end - first) if first and end > first and tokens > 1 else 0.0}
 
 
-async def measure(url: str, runs: dict[str, list[tuple[str, str]]], max_tokens: int, reference: str = "") -> dict:
+async def measure(url: str, runs: dict[str, list[tuple[str, str]]], max_tokens: int, reference: str = "",
+                  render=None) -> dict:
     """For each run (name -> (model, prompt) per client): every distinct request alone (and each base request alone
     on the reference server, right after), half of them before the runs together and half after, so that a load
     that drifts during the benchmark weighs on both sides alike."""
     client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     ref = AsyncOpenAI(base_url=reference, api_key="unused", max_retries=0, timeout=600) if reference else None
     for c in (client, ref) if ref else (client,):
-        await one(c, runs["base"][0][0], "Hello!", 8)  # warm-up: first-call allocations, lazy imports
+        await one(c, runs["base"][0][0], "Hello!", 8, render)  # warm-up: first-call allocations, lazy imports
     out = {"alone": {}, "reference": []}
     pairs = list(dict.fromkeys(p for pairs in runs.values() for p in pairs))
 
     async def alone(half):
         for pair in half:
-            out["alone"][pair] = await one(client, *pair, max_tokens)
+            out["alone"][pair] = await one(client, *pair, max_tokens, render)
             if ref and pair in runs["base"]:
                 out["reference"].append(await one(ref, *pair, max_tokens))
 
     await alone(pairs[::2])
     for name, together in runs.items():
         start = time.perf_counter()
-        rows = await asyncio.gather(*(one(client, m, p, max_tokens) for m, p in together))
+        rows = await asyncio.gather(*(one(client, m, p, max_tokens, render) for m, p in together))
         out[name] = {"rows": rows, "wall": time.perf_counter() - start}
     await alone(pairs[1::2])
     await client.close()
@@ -150,16 +228,47 @@ def summary(rows: list[dict], wall: float | None = None, alone: dict | None = No
             "complete": sum(bool(r["finish"]) and bool(r["text"]) for r in rows), "same": same, "n": len(rows)}
 
 
-def table(results: dict[str, dict]) -> None:
-    print("| run | clients | complete | same as alone | TTFT median / max (s) | decode tok/s per client (median) "
-          "| tok/s total | x alone |")
-    print("|---|---|---|---|---|---|---|---|")
-    reference = results["alone"]["total_tps"]
-    for name, s in results.items():
-        clients = "1 at a time" if "alone" in name else f"{s['n']} at once"
-        print(f"| {name} | {clients} | {s['complete']}/{s['n']} | {s['same']}/{s['n']} | {s['ttft_median']:.2f} / "
-              f"{s['ttft_max']:.2f} | {s['tps_median']:.1f} | {s['total_tps']:.1f} | "
-              f"{s['total_tps'] / reference:.2f} |")
+def table(groups: dict[str, dict[str, dict]]) -> None:
+    """One row per run; "x alone" is over the same server's "alone" row."""
+    print("| server | run | clients | complete | same as alone | TTFT median / max (s) "
+          "| decode tok/s per client (median) | tok/s total | x alone |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for server, results in groups.items():
+        reference = results["alone"]["total_tps"]
+        for name, s in results.items():
+            clients = "1 at a time" if "alone" in name else f"{s['n']} at once"
+            print(f"| {server} | {name} | {clients} | {s['complete']}/{s['n']} | {s['same']}/{s['n']} | "
+                  f"{s['ttft_median']:.2f} / {s['ttft_max']:.2f} | {s['tps_median']:.1f} | {s['total_tps']:.1f} | "
+                  f"{s['total_tps'] / reference:.2f} |")
+
+
+def measure_llama_cpp(args, base: list[tuple[str, str]], folder: Path) -> dict[str, dict]:
+    """llama.cpp's server on each GGUF type of --llama-cpp: the base requests alone, then together."""
+    quants = [q for q in args.llama_cpp.split(",") if q]
+    why = llama_cpp_missing(args.llama_python) if quants else None
+    if why:
+        print(why, file=sys.stderr)
+        return {}
+    from tunesmith.models import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+
+    def render(prompt: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    out = {}
+    for quant in quants:
+        gguf = export_gguf(args.model, quant, folder)
+        proc, url = start_llama_server(args.llama_python, gguf, base[0][0])
+        try:
+            out[quant] = asyncio.run(measure(url, {"base": base}, args.max_tokens, render=render))
+        except APIConnectionError as e:  # its process died: say so, and go on with the next type
+            print(f"llama.cpp's server on {quant} failed: {e} (exit {proc.poll()})", file=sys.stderr)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    return out
 
 
 def main() -> None:
@@ -168,6 +277,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reference-src", default="", help="another checkout's src/: its single stream, measured too")
+    ap.add_argument("--llama-cpp", default="f16,q8_0",
+                    help="GGUF types to measure llama.cpp's server on ('' for none)")
+    ap.add_argument("--llama-python", default=sys.executable, help="a Python with llama-cpp-python[server]")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if args.clients > len(PROMPTS):
@@ -190,6 +302,7 @@ def main() -> None:
             for proc, _ in servers:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
+        llama = measure_llama_cpp(args, runs["base"], Path(tmp))
 
     results = {"alone": summary([raw["alone"][pair] for pair in dict.fromkeys(p for v in runs.values() for p in v)]),
                "alone, base only": summary([raw["alone"][pair] for pair in runs["base"]])}
@@ -197,15 +310,22 @@ def main() -> None:
         results[f"{name} together"] = summary(raw[name]["rows"], raw[name]["wall"], raw["alone"])
     if raw["reference"]:
         results["alone, base only, --reference-src"] = summary(raw["reference"], None, raw["alone"])
+    groups = {"tunesmith serve": results}
+    for quant, got in llama.items():
+        groups[f"llama.cpp server, {quant}"] = {
+            "alone": summary([got["alone"][pair] for pair in runs["base"]]),
+            "base together": summary(got["base"]["rows"], got["base"]["wall"], got["alone"])}
     print(f"\n{args.model}, {args.clients} streaming chat clients, greedy, max_tokens {args.max_tokens}, "
           f"mixed: {' / '.join(models)} in turn; {platform.processor() or platform.machine()}, {os.cpu_count()} "
-          f"CPUs, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}\n")
-    table(results)
+          f"CPUs, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, OMP_WAIT_POLICY "
+          f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end\n")
+    table(groups)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "clients": args.clients, "max_tokens": args.max_tokens,
-                       "results": results, "rows": {k: v["rows"] for k, v in raw.items() if k in runs}}, f,
-                      indent=2)
+                       "results": groups, "rows": {k: v["rows"] for k, v in raw.items() if k in runs},
+                       "llama_cpp_rows": {q: v["base"]["rows"] for q, v in llama.items()}}, f, indent=2)
 
 
 if __name__ == "__main__":

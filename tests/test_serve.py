@@ -270,6 +270,29 @@ def test_batched_logits_are_each_rows_own_forward_with_its_adapter(served_tiny, 
     assert 4 < lm.keys.shape[2] <= 64
 
 
+def test_a_row_moved_to_a_lower_slot_decodes_on_as_its_own_forward(served_tiny):
+    """The engine keeps the running answers in the lowest slots, so that attention reads one block of the cache in
+    place: a row moved into a freed slot (over a shorter answer's stale cache) goes on with the logits of the
+    model's own forward, beside a row that stayed."""
+    from tunesmith.serve.batch import BatchedLM
+
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    lm = BatchedLM(model, slots=3, context=64)
+    prompts = [tok(p)["input_ids"] for p in ("JULIET:", "ROMEO: But soft", "First Citizen: Before we proceed")]
+    adapters = [None, "poet", "clerk"]
+    lm.forward([(s, ids, 0, lm.adapter_index(a)) for s, (ids, a) in enumerate(zip(prompts, adapters, strict=True))],
+               [True] * 3)
+    lm.move(2, 0, len(prompts[2]))  # the answer in slot 0 ended; the one in slot 2 moves down
+    rows = [(0, [5], len(prompts[2]), lm.adapter_index("clerk")), (1, [5], len(prompts[1]), lm.adapter_index("poet"))]
+    assert lm._plan(rows, [True, True]).first_slot == 0  # slots 0, 1 in order: read in place
+    step = lm.forward(rows, [True, True])
+    for logits, ids, adapter in zip(step, prompts[:0:-1], adapters[:0:-1], strict=True):
+        model.set_adapter(adapter)
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids + [5]])).logits[0, -1]
+        torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)
+
+
 def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served_tiny):
     """Nine requests over three slots: prompts of different lengths, prefilled in chunks of 8, rows joining as
     others leave, greedy, sampled with a seed and cut by a stop string; each answer is the one it gets alone."""

@@ -137,6 +137,7 @@ class Engine:
                     return
             for row in [row for row in active if row.job.cancelled.is_set()]:
                 self._leave(row, active, free, "cancelled", None)
+            self._compact(active, free)
             with self._wake:
                 joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
             for job in joining:  # between steps: the next in line take the free slots
@@ -145,6 +146,19 @@ class Engine:
                     active.append(row)
             if active:
                 self._step(active, free)
+
+    def _compact(self, active: list[_Row], free: list[int]) -> None:
+        """Move the rows in the highest slots into the free slots below them, so that the running answers hold
+        slots 0, 1, ... and a step's attention reads one block of the cache in place instead of gathering each
+        row's slot. A row's cache moves once when another answer ends; a gather costs every step."""
+        for row in sorted(active, key=lambda r: r.slot, reverse=True):
+            if not free or free[0] > row.slot:
+                return
+            to = free.pop(0)
+            self._runner.move(row.slot, to, row.cached)
+            free.append(row.slot)
+            free.sort()
+            row.slot = to
 
     def _join(self, job: Job, free: list[int]) -> _Row | None:
         if job.cancelled.is_set():
@@ -170,6 +184,7 @@ class Engine:
                 budget -= len(take)
             if take:
                 plan.append((row, take))
+        plan.sort(key=lambda p: p[0].slot)  # rows in slot order: attention reads their slots as one block
         try:
             logits = self._runner.forward([(r.slot, take, r.cached, r.adapter) for r, take in plan],
                                           [len(take) == len(r.pending) for r, take in plan])
