@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tunesmith.serve.graphs import make_graphs
+
 SUPPORTED = ("llama", "mistral", "qwen2")
 ZERO_BLOCK = 256  # cache positions zeroed at a time, ahead of the rows that will read them
 FIRST_LENGTH = 4096  # cache positions per slot at first; doubled (up to the context) when a row needs more
@@ -93,7 +95,7 @@ class Step:
     token_cols: torch.Tensor  # [N] the token's place among its row's tokens this step
     adapters: torch.Tensor  # [N] the index of each token's adapter (0: the base)
     mask: torch.Tensor  # [B, 1, T, L] which cached positions each row's queries see
-    logits_at: torch.Tensor  # [R] the tokens whose next-token logits are wanted
+    logits_at: torch.Tensor | None  # [R] the tokens whose next-token logits are wanted (None: every token)
     width: int  # T: the most tokens of one row
     length: int  # L: the longest row's cache length after this step
 
@@ -101,7 +103,7 @@ class Step:
 class BatchedLM:
     """The model as one batched forward over rows in cache slots; see the module's docstring."""
 
-    def __init__(self, model: torch.nn.Module, slots: int, context: int):
+    def __init__(self, model: torch.nn.Module, slots: int, context: int, deterministic: bool = False):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's too
 
         self.rope = apply_rotary_pos_emb
@@ -114,15 +116,16 @@ class BatchedLM:
         self.layouts = [columns for _, columns in sorted(layouts.values(), key=lambda v: v[0])]
         attn = inner.model.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        self.context = context
+        self.context, self.slots, self.deterministic = context, slots, deterministic
         # the cache holds what the layers compute in: the embedding's output dtype, on its device (the table may be
         # a quantized tensor subclass, or quantformat's CPU int8 module, which has no `weight`)
         embed = inner.model.embed_tokens
         where = next(iter([*embed.parameters(), *embed.buffers()]))
         probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
         self.keys = self.values = torch.empty(0, dtype=probe.dtype, device=probe.device)
-        self._grow(slots, min(context, FIRST_LENGTH))
-        self.clean = [0] * slots  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
+        self._grow(slots + 1, min(context, FIRST_LENGTH))  # one slot more: the decode graphs' padding rows write there
+        self.clean = [0] * (slots + 1)  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
+        self.graphs = make_graphs(self, fixed=deterministic)
 
     def adapter_index(self, name: str | None) -> int:
         return self.adapters.index(name)
@@ -130,24 +133,54 @@ class BatchedLM:
     @torch.inference_mode()
     def forward(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> torch.Tensor:
         """rows: (slot, new tokens, tokens already cached, adapter index); want: whether a row needs the logits
-        after its last new token. Returns those logits, [rows wanting them, vocab], in row order."""
+        after its last new token. Returns those logits, [rows wanting them, vocab], in row order.
+
+        A step where every row decodes runs the decode graphs (serve.graphs) where there are any; other steps run
+        packed and eager. In the deterministic mode a row that reads its prompt runs alone, and the decoding rows
+        run at the graphs' one fixed shape, so no row's numbers depend on what else is in the batch."""
+        decoding = [len(tokens) == 1 and w for (_, tokens, _, _), w in zip(rows, want, strict=True)]
+        if self.graphs is not None and all(decoding):
+            return self.graphs.run(rows)
+        if not self.deterministic:
+            return self._eager(rows, want)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        decode = [i for i, d in enumerate(decoding) if d]
+        if decode:
+            for i, logits in zip(decode, self.graphs.run([rows[i] for i in decode]), strict=True):
+                out[i] = logits
+        for i in (i for i, d in enumerate(decoding) if not d):
+            logits = self._eager([rows[i]], [want[i]])
+            out[i] = logits[0] if want[i] else None
+        kept = [o for o in out if o is not None]
+        return torch.stack(kept) if kept else torch.empty(0)
+
+    def _eager(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> torch.Tensor:
+        """The packed forward of any rows, planned for this step."""
         step = self._plan(rows, want)
-        if step.length > self.keys.shape[2]:
-            self._grow(self.keys.shape[1], min(self.context, max(2 * self.keys.shape[2], step.length)))
+        self.ensure_length(step.length)
         for slot in (s for s, *_ in rows):
-            self._zero_ahead(slot, step.length)
+            self.zero_ahead(slot, step.length)
         masks = [None] * len(self.layouts)
         for i, columns in enumerate(self.layouts):
             mask = columns[step.adapters]
             masks[i] = mask if bool(mask.any()) else None  # rows of the base only: no LoRA at all
+        return self.run(step, masks)
+
+    def run(self, step: Step, masks: list[torch.Tensor | None]) -> torch.Tensor:
+        """The model over a planned step: the next-token logits at `step.logits_at`, as float32."""
         model = self.inner.model
         x = model.embed_tokens(step.ids)
         cos, sin = model.rotary_emb(x, step.positions[None])
         cos, sin = cos[0], sin[0]
         for i, (layer, linears) in enumerate(zip(model.layers, self.layers, strict=True)):
             x = self._layer(i, layer, linears, x, cos, sin, step, masks)
-        x = model.norm(x[step.logits_at])
+        x = model.norm(x if step.logits_at is None else x[step.logits_at])
         return self.inner.lm_head(x).float()
+
+    def ensure_length(self, length: int) -> None:
+        """A cache of at least `length` positions per slot (doubled, up to the context, when it is shorter)."""
+        if length > self.keys.shape[2]:
+            self._grow(self.keys.shape[1], min(self.context, max(2 * self.keys.shape[2], length)))
 
     def _layer(self, i: int, layer, linears: list[StackedLora], x, cos, sin, step: Step, masks) -> torch.Tensor:
         q_proj, k_proj, v_proj, o_proj, gate, up, down = linears
@@ -210,7 +243,7 @@ class BatchedLM:
             values[:, :, : self.values.shape[2]] = self.values
         self.keys, self.values = keys, values
 
-    def _zero_ahead(self, slot: int, length: int) -> None:
+    def zero_ahead(self, slot: int, length: int) -> None:
         """Attention reads every slot up to the longest row's length: what a shorter row has not written must be
         finite (a stale value is; fresh memory may not be), as a masked position's weight is 0 but 0 * NaN is
         not."""
