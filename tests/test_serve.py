@@ -376,6 +376,49 @@ def test_captured_decode_graphs_replay_the_static_step(served_tiny):
         served_tiny.model.to("cpu")
 
 
+GROUPED_CHECK = """
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+from tunesmith.serve import grouped_lora
+from tunesmith.serve.batch import BatchedLM
+
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=256))
+targets = ["q_proj", "v_proj", "down_proj"]
+model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets), adapter_name="poet")
+model.add_adapter("clerk", LoraConfig(r=4, lora_alpha=4, target_modules=targets[:2]))  # other ranks, fewer linears
+with torch.no_grad():
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.normal_(0, 0.5)
+assert grouped_lora.available(torch.zeros(1))
+rows = [(0, [5, 6, 7], 0, 1), (2, [9], 0, 0), (1, [3, 4], 0, 2)]
+step = [(0, [8], 3, 1), (2, [10], 1, 0), (1, [11], 2, 2)]
+got = []
+for kernel in (False, True):
+    lm = BatchedLM(model.eval(), slots=3, context=64, lora_kernel=kernel)
+    got.append((lm.forward(rows, [True] * 3), lm.forward(step, [True] * 3), lm.graphs))
+for stacked, grouped in zip(got[0][:2], got[1][:2]):
+    torch.testing.assert_close(grouped, stacked, rtol=0, atol=1e-5)
+print("same")
+"""
+
+
+def test_grouped_lora_kernels_give_the_stacked_paths_logits_under_triton_s_interpreter():
+    """serve.grouped_lora's Triton kernels (the CPU runs them under Triton's interpreter): a batch of rows over
+    two adapters of different ranks and linears, prefill and decode, gives the stacked path's logits."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="triton is not installed: the kernels cannot run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", GROUPED_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "same", out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served_tiny, deterministic):
     """Nine requests over three slots: prompts of different lengths, prefilled in chunks of 8, rows joining as

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tunesmith.serve import grouped_lora
 from tunesmith.serve.graphs import make_graphs
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -55,32 +56,43 @@ def unsupported(model: torch.nn.Module) -> str | None:
 
 
 class StackedLora:
-    """One linear of the model and the LoRA of every adapter over it, stacked by rank."""
+    """One linear of the model and the LoRA of every adapter over it, stacked by rank; with `kernel`, grouped for
+    serve.grouped_lora's kernels instead."""
 
-    def __init__(self, module: torch.nn.Module, adapters: list[str | None], layouts: dict):
+    def __init__(self, module: torch.nn.Module, adapters: list[str | None], layouts: dict, kernel: bool = False):
         self.base = getattr(module, "base_layer", module)
-        self.a = self.b = None
+        self.a = self.b = self.grouped = None
         self.layout = -1  # which per-token mask this linear takes (linears with the same adapters share one)
         names = [n for n in adapters if n is not None and n in getattr(module, "lora_A", {})]
         if not names:
             return
-        a = [module.lora_A[n].weight for n in names]
-        self.a = torch.cat(a).t().contiguous()  # [in, sum of ranks]
-        self.b = torch.cat([module.lora_B[n].weight for n in names], dim=1).t().contiguous()  # [sum of ranks, out]
-        columns = torch.zeros(len(adapters), self.a.shape[1], dtype=self.a.dtype, device=self.a.device)
+        a = [module.lora_A[n].weight.detach() for n in names]
+        b = [module.lora_B[n].weight.detach() for n in names]
+        if kernel:
+            self.grouped = grouped_lora.grouped(a, b, [module.scaling[n] for n in names])
+        else:
+            self.a = torch.cat(a).t().contiguous()  # [in, sum of ranks]
+            self.b = torch.cat(b, dim=1).t().contiguous()  # [sum of ranks, out]
+        columns = torch.zeros(len(adapters), sum(w.shape[0] for w in a), dtype=a[0].dtype, device=a[0].device)
+        table = torch.full((len(adapters),), -1, dtype=torch.long, device=a[0].device)  # adapter -> its place here
         at = 0
-        for n, w in zip(names, a, strict=True):
+        for i, (n, w) in enumerate(zip(names, a, strict=True)):
             columns[adapters.index(n), at : at + w.shape[0]] = module.scaling[n]
+            table[adapters.index(n)] = i
             at += w.shape[0]
         key = (tuple(columns.flatten().tolist()), columns.shape)
-        self.layout = layouts.setdefault(key, (len(layouts), columns))[0]
+        self.layout = layouts.setdefault(key, (len(layouts), table if kernel else columns))[0]
 
     def __call__(self, x: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+        """masks: per layout, each token's mask over the stacked ranks ([tokens, sum of ranks]) or, grouped, each
+        token's place among this linear's adapters ([tokens], -1: none); None where no token has an adapter."""
         y = self.base(x)
         mask = masks[self.layout] if self.layout >= 0 else None
-        if mask is not None:
-            y = torch.addmm(y, (x @ self.a).mul_(mask), self.b)
-        return y
+        if mask is None:
+            return y
+        if self.grouped is not None:
+            return grouped_lora.add_lora(y, x.contiguous(), *self.grouped, mask)
+        return torch.addmm(y, (x @ self.a).mul_(mask), self.b)
 
 
 @dataclass
@@ -103,7 +115,8 @@ class Step:
 class BatchedLM:
     """The model as one batched forward over rows in cache slots; see the module's docstring."""
 
-    def __init__(self, model: torch.nn.Module, slots: int, context: int, deterministic: bool = False):
+    def __init__(self, model: torch.nn.Module, slots: int, context: int, deterministic: bool = False,
+                 lora_kernel: bool = False):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's too
 
         self.rope = apply_rotary_pos_emb
@@ -111,9 +124,11 @@ class BatchedLM:
         self.inner, self.config = inner, inner.config
         self.adapters: list[str | None] = [None, *getattr(model, "peft_config", {})]
         layouts: dict = {}
-        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts) for n in LINEARS]
+        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts, lora_kernel) for n in LINEARS]
                        for layer in inner.model.layers]
-        self.layouts = [columns for _, columns in sorted(layouts.values(), key=lambda v: v[0])]
+        # per layout, what a token's adapter index gathers: its mask's row (stacked), or its place (grouped)
+        self.layouts = [per_adapter for _, per_adapter in sorted(layouts.values(), key=lambda v: v[0])]
+        self.lora_kernel = lora_kernel
         attn = inner.model.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.context, self.slots, self.deterministic = context, slots, deterministic
@@ -160,11 +175,13 @@ class BatchedLM:
         self.ensure_length(step.length)
         for slot in (s for s, *_ in rows):
             self.zero_ahead(slot, step.length)
-        masks = [None] * len(self.layouts)
-        for i, columns in enumerate(self.layouts):
-            mask = columns[step.adapters]
-            masks[i] = mask if bool(mask.any()) else None  # rows of the base only: no LoRA at all
+        masks = [m if bool((m >= 0).any() if self.lora_kernel else m.any()) else None  # no token of it: no LoRA
+                 for m in self.masks(step.adapters)]
         return self.run(step, masks)
+
+    def masks(self, adapters: torch.Tensor) -> list[torch.Tensor]:
+        """What each linear's LoRA takes for tokens of these adapters (StackedLora.__call__), per layout."""
+        return [per_adapter[adapters] for per_adapter in self.layouts]
 
     def run(self, step: Step, masks: list[torch.Tensor | None]) -> torch.Tensor:
         """The model over a planned step: the next-token logits at `step.logits_at`, as float32."""

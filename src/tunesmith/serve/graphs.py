@@ -123,7 +123,7 @@ class DecodeGraphs:
         step = Step(ids=ids, positions=positions, slots=slots, token_slots=slots, token_rows=self.rows[:batch],
                     token_cols=torch.zeros_like(positions), adapters=adapters, mask=keep[:, None, None],
                     logits_at=None, width=1, length=length)
-        masks = [columns[adapters] if lora else None for columns in self.lm.layouts]
+        masks = self.lm.masks(adapters) if lora else [None] * len(self.lm.layouts)
         return self.lm.run(step, masks)
 
     def _fill(self, rows: list[tuple[int, list[int], int, int]], batch: int) -> None:
@@ -172,7 +172,8 @@ def make_graphs(lm, fixed: bool) -> DecodeGraphs | None:
         return None
     graphs = DecodeGraphs(lm, capture=cuda, fixed=fixed)
     try:
-        graphs.warm()
+        with torch.inference_mode():  # as every step runs: no autograd records the capture
+            graphs.warm()
     except Exception as e:  # noqa: BLE001 - a kernel that cannot be captured: run eagerly, as the CPU does
         graphs._give_up(e)
         if not fixed:
