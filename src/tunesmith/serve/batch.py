@@ -7,8 +7,8 @@ base or a bias works as it does in the model. The tokens of a step are packed on
 a row that prefills a chunk of its prompt and rows that decode one token each cost what their tokens cost, with no
 padding, except in attention, where each row's queries meet its own slot of the cache.
 
-The KV cache is one static tensor, [layers, slots, length, kv heads, head dim]; a row writes its keys and values
-at its own positions. It is allocated once for `FIRST_LENGTH` positions (or the context, if shorter) and doubled,
+The KV cache is one static tensor, [layers, slots + 1, length, kv heads, head dim] (the last slot is scratch, where
+the decode graphs' padding rows write: serve.graphs); a row writes its keys and values at its own positions. It is allocated once for `FIRST_LENGTH` positions (or the context, if shorter) and doubled,
 up to the context, in the rare step where a row needs more: a model with a long context does not reserve it all
 for every slot up front. On the CPU `torch.empty` is backed by the OS only where written; positions are zeroed a
 block at a time as rows reach them, so resident memory follows the longest answers, and nothing is allocated per
@@ -19,6 +19,9 @@ out]); a per-token mask keeps the columns of the token's own adapter, times its 
 `base(x) + ((x @ A) * mask) @ B` is, for each row, its own `base(x) + scale * B(A(x))`, and exactly base(x) for a
 row of the base. Two matmuls per linear whatever the batch holds, and no copy of any weight per row: with a few
 adapters, the summed rank stays far below the hidden size and this costs less than gathering each row's A and B.
+(serve.grouped_lora computes the same as two Triton kernels that read only each token's own adapter.)
+
+On CUDA a step where every row decodes one token replays a CUDA graph (serve.graphs); the rest run as written here.
 """
 
 from __future__ import annotations
