@@ -24,7 +24,7 @@ decode tok/s per client with "alone, base only".
 --shape serves random bf16 weights of a known shape (torch.manual_seed(0); nothing is downloaded) with a word-level
 tokenizer made for the run (the prompts' words, then a word per remaining id, so any token decodes to text; the
 chat template joins the messages' text); the answers are random words, their timing that of the real model.
---hf-reference (the default on CUDA) times transformers' `generate` (greedy, its own KV cache) on the first three
+--hf-reference (the default on CUDA) times transformers' `generate` (greedy, its own KV cache) on the first two
 base prompts alone, in this process, after the server has stopped: the plain single stream to compare "alone, base
 only" with.
 --deterministic starts the server with it (answers that do not depend on the batch).
@@ -118,7 +118,7 @@ def hf_reference(model: str, device: str, prompts: list[str], max_tokens: int, a
     hf.eval()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
-    for i, prompt in enumerate(["Hello!", *prompts[:3]]):  # the first: a warm-up
+    for i, prompt in enumerate(["Hello!", *prompts[:2]]):  # the first: a warm-up
         ids = torch.tensor([encode_messages(tokenizer, [{"role": "user", "content": prompt}])], device=device)
         sync()
         start = time.perf_counter()

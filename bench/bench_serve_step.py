@@ -8,6 +8,11 @@ Two LoRA adapters (rank 16 on all seven linears of every layer, B random). Each 
 slot (cache window 256); a step is timed as the median of 7 runs of 30 steps after 5 warm-up steps (CUDA
 synchronised around each run). "mixed": the rows' adapters one, two, base in turn. "prefill 64": one 64-token
 chunk of adapter one beside 7 decoding rows (mixed), the step a prompt joins with (eager).
+
+Batch-invariance: 8 prompts of 12 to 19 tokens (adapters one, two, base in turn) decode 32 greedy tokens each alone
+(batch of 1), then all 8 together; "same" counts the answers whose tokens are identical, by default and with the
+deterministic mode. "graph vs eager": the largest logit difference between the captured step and the packed eager
+step on the same 8 rows, relative to the largest logit.
 """
 
 from __future__ import annotations
@@ -62,6 +67,39 @@ def timed(fn, device: str, runs: int = 7, calls: int = 30) -> float:
     return statistics.median(times)
 
 
+def batch_invariance(model, deterministic: bool, steps: int = 32) -> dict:
+    """Greedy tokens of 8 rows decoded alone and together (see the module's docstring)."""
+    from tunesmith.serve.batch import BatchedLM
+
+    lm = BatchedLM(model, slots=8, context=4096, deterministic=deterministic)
+    prompts = [([10 + 7 * i + j for j in range(12 + i)], (i + 1) % 3) for i in range(8)]
+    check = {}
+
+    def decode(rows):  # (slot, prompt, adapter) -> each row's greedy tokens
+        logits = lm.forward([(s, p, 0, a) for s, p, a in rows], [True] * len(rows))
+        tokens = [[] for _ in rows]
+        for step in range(steps):
+            for t, n in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+                t.append(n)
+            batch = [(s, [t[-1]], len(p) + step, a) for (s, p, a), t in zip(rows, tokens, strict=True)]
+            if len(rows) > 1 and step == 0 and lm.graphs is not None and not deterministic:
+                graphs, lm.graphs = lm.graphs, None
+                eager = lm.forward(batch, [True] * len(batch))
+                lm.graphs = graphs
+                logits = lm.forward(batch, [True] * len(batch))
+                check["graph_vs_eager"] = float((logits - eager).abs().max() / eager.abs().max())
+            else:
+                logits = lm.forward(batch, [True] * len(batch))
+        return tokens
+
+    alone = [decode([(0, p, a)])[0] for p, a in prompts]
+    together = decode([(s, p, a) for s, (p, a) in enumerate(prompts)])
+    diffs = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+             for a, b in zip(alone, together, strict=True)]
+    return {"same": sum(d is None for d in diffs), "first_diff": [d for d in diffs if d is not None],
+            "graph_vs_eager": check.get("graph_vs_eager", float("nan"))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default=L1B, choices=[SMOL, L1B, "tiny"])
@@ -108,9 +146,13 @@ def main() -> None:
         record("prefill 64 + 7 decoding, mixed", "eager, grouped LoRA (Triton)" if k else "eager, stacked LoRA",
                timed(lambda g=g: g.forward(prefill, [True] * 8), args.device, args.runs), 71)
         g.graphs = graphs
+    invariance = {mode: batch_invariance(model, mode == "deterministic") for mode in ("default", "deterministic")}
+    for mode, r in invariance.items():
+        print(f"\nbatch-invariance, {mode}: {r['same']}/8 greedy answers (32 tokens) the same alone and 8 together; "
+              f"first differing token at {r['first_diff']}; graph vs eager logits: {r['graph_vs_eager']:.2e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "device": args.device,
+            json.dump({"shape": args.shape, "device": args.device, "invariance": invariance,
                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                        "versions": versions("torch", "transformers", "peft", "triton"), "steps": out}, f, indent=2)
 
