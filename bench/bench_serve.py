@@ -1,8 +1,9 @@
 """`tunesmith serve` under load: one client alone, then N streaming chat clients together, over the base only and
 mixed over the base and two adapters, on the built-in SmolLM2-135M-Instruct unless told otherwise.
 
-    python bench/bench_serve.py [--model smollm2-135m-instruct] [--clients 12] [--max-tokens 64] \
-        [--reference-src DIR] [--llama-cpp f16,q8_0] [--llama-python PYTHON] [--json out.json]
+    python bench/bench_serve.py [--model smollm2-135m-instruct | --shape meta-llama/Llama-3.2-1B] [--device cuda] \
+        [--clients 12] [--max-tokens 64] [--deterministic] [--reference-src DIR] [--hf-reference] \
+        [--llama-cpp f16,q8_0] [--llama-python PYTHON] [--json out.json]
 
 One server (`tunesmith serve --port 0 --parallel CLIENTS`, its own process) with two LoRA adapters made for the
 run (rank 16 on every linear of every layer, B drawn small and non-zero, so each answers its own way). It is warmed
@@ -32,6 +33,14 @@ CLIENTS at once, greedy, streamed. It does not report usage when streaming: its 
 carry text, plus the end token for an answer that stopped (tunesmith's usage counts it too). "same as alone" compares
 its answers with its own alone answers. It is skipped, with a message, when --llama-python (default: this Python) has
 no llama_cpp.server.
+
+--shape serves random bf16 weights of a known shape (torch.manual_seed(0); nothing is downloaded) with a word-level
+tokenizer made for the run (the prompts' words, then a word per remaining id, so any token decodes to text; the
+chat template joins the messages' text); the answers are random words, their timing that of the real model.
+--hf-reference (the default on CUDA) times transformers' `generate` (greedy, its own KV cache) on the first two
+base prompts alone, in this process, after the server has stopped: the plain single stream to compare "alone, base
+only" with.
+--deterministic starts the server with it (answers that do not depend on the batch).
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ PROMPTS = [
 ADAPTERS = ("a", "b")
 
 
-def make_adapters(model: str, folder: Path) -> list[str]:
+def make_adapters(model: str, folder: Path, device: str = "cpu") -> list[str]:
     """Two LoRA adapters over `model`, as `tunesmith train` saves them, with random non-zero B."""
     import torch
 
@@ -77,7 +86,7 @@ def make_adapters(model: str, folder: Path) -> list[str]:
 
     paths = []
     for seed, name in enumerate(ADAPTERS):
-        base, _ = load_model(model, "cpu", torch.float32)
+        base, _ = load_model(model, device, torch.float32)
         torch.manual_seed(seed)
         peft_model = attach_lora(base, rank=16, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                          "up_proj", "down_proj"])
@@ -89,14 +98,69 @@ def make_adapters(model: str, folder: Path) -> list[str]:
     return paths
 
 
-def start_server(model: str, parallel: int, adapters: list[str], src: str | None = None):
+def random_folder(shape: str, device: str, workdir: Path) -> Path:
+    """Random weights of `shape` (bench/common.py) with a tokenizer that decodes every id of its vocabulary."""
+    from common import random_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = random_model(shape, device, workdir)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    words = ["<pad>", "<s>", "</s>", "<unk>"]
+    words += dict.fromkeys(w for p in PROMPTS for w, _ in pre_tokenizers.Whitespace().pre_tokenize_str(p))
+    words += [f"w{i}" for i in range(len(words), vocab)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def hf_reference(model: str, device: str, prompts: list[str], max_tokens: int, alone: dict) -> list[dict]:
+    """transformers' generate, greedy, one prompt at a time (the chat template as the server applies it)."""
+    import torch
+
+    from tunesmith.device import resolve_device, resolve_precision, weight_dtype
+    from tunesmith.generate import encode_messages
+    from tunesmith.models import load_model
+
+    where = resolve_device(device)  # in the server's dtype: bf16 on CUDA, fp32 on the CPU
+    hf, tokenizer = load_model(model, where, weight_dtype(where, resolve_precision(where, "auto")))
+    hf.eval()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for i, prompt in enumerate(["Hello!", *prompts[:2]]):  # the first: a warm-up
+        ids = torch.tensor([encode_messages(tokenizer, [{"role": "user", "content": prompt}])], device=device)
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+                              pad_token_id=tokenizer.pad_token_id)
+        sync()
+        seconds = time.perf_counter() - start
+        new = out[0, ids.shape[1] :].tolist()
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        if i:
+            same = text == alone.get((None, prompt), {}).get("text")
+            rows.append({"prompt": prompt, "tokens": len(new), "seconds": seconds, "tps": len(new) / seconds,
+                         "same": same})
+    del hf
+    return rows
+
+
+def start_server(model: str, parallel: int, adapters: list[str], src: str | None = None, device: str = "cpu",
+                 deterministic: bool = False):
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     flags = [f for a in adapters for f in ("--adapter", a)]
+    flags += ["--deterministic"] if deterministic else []
     proc = subprocess.Popen([sys.executable, "-m", "tunesmith.cli", "serve", "--model", model, "--port", "0",
-                             "--parallel", str(parallel), "--device", "cpu", *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+                             "--parallel", str(parallel), "--device", device, *flags], stdout=subprocess.PIPE,
+                            stderr=None if os.environ.get("BENCH_SERVER_LOG") else subprocess.DEVNULL, text=True,
+                            env=env)
     line = proc.stdout.readline()
     if " at http://" not in line:
         proc.kill()
@@ -274,6 +338,11 @@ def measure_llama_cpp(args, base: list[tuple[str, str]], folder: Path) -> dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--shape", default="", help="random weights of this shape instead of --model (see the docstring)")
+    ap.add_argument("--device", default="cpu", help="where the server runs: cpu or cuda")
+    ap.add_argument("--deterministic", action="store_true", help="serve with --deterministic")
+    ap.add_argument("--hf-reference", action=argparse.BooleanOptionalAction, default=None,
+                    help="time transformers' generate on each base prompt alone (default: on CUDA)")
     ap.add_argument("--clients", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reference-src", default="", help="another checkout's src/: its single stream, measured too")
@@ -284,17 +353,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.clients > len(PROMPTS):
         raise SystemExit(f"--clients at most {len(PROMPTS)}")
-    base = os.path.basename(args.model).removesuffix(".gguf")
+    hf = args.device == "cuda" if args.hf_reference is None else args.hf_reference
     prompts = PROMPTS[: args.clients]
-    models = [base, *ADAPTERS]
-    runs = {"base": [(base, p) for p in prompts],
-            "mixed": [(models[i % len(models)], p) for i, p in enumerate(prompts)]}
 
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(args.model, Path(tmp))
-        servers = [start_server(args.model, args.clients, adapters)]
+        if args.shape:
+            args.model = str(random_folder(args.shape, args.device, Path(tmp)))
+        base = os.path.basename(args.model).removesuffix(".gguf")
+        models = [base, *ADAPTERS]
+        runs = {"base": [(base, p) for p in prompts],
+                "mixed": [(models[i % len(models)], p) for i, p in enumerate(prompts)]}
+        adapters = make_adapters(args.model, Path(tmp), args.device)
+        servers = [start_server(args.model, args.clients, adapters, device=args.device,
+                                deterministic=args.deterministic)]
         if args.reference_src:
-            servers.append(start_server(args.model, 1, [], args.reference_src))
+            servers.append(start_server(args.model, 1, [], args.reference_src, args.device))
         try:
             raw = asyncio.run(measure(servers[0][1], runs, args.max_tokens, servers[-1][1] if len(servers) > 1
                                       else ""))
@@ -303,6 +376,8 @@ def main() -> None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
         llama = measure_llama_cpp(args, runs["base"], Path(tmp))
+        alone_text = {(None if m == base else m, p): r for (m, p), r in raw["alone"].items()}
+        reference = hf_reference(args.model, args.device, prompts, args.max_tokens, alone_text) if hf else []
 
     results = {"alone": summary([raw["alone"][pair] for pair in dict.fromkeys(p for v in runs.values() for p in v)]),
                "alone, base only": summary([raw["alone"][pair] for pair in runs["base"]])}
@@ -315,17 +390,32 @@ def main() -> None:
         groups[f"llama.cpp server, {quant}"] = {
             "alone": summary([got["alone"][pair] for pair in runs["base"]]),
             "base together": summary(got["base"]["rows"], got["base"]["wall"], got["alone"])}
-    print(f"\n{args.model}, {args.clients} streaming chat clients, greedy, max_tokens {args.max_tokens}, "
-          f"mixed: {' / '.join(models)} in turn; {platform.processor() or platform.machine()}, {os.cpu_count()} "
-          f"CPUs, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, OMP_WAIT_POLICY "
-          f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end\n")
+    where = (gpu_name() if args.device == "cuda" else
+             f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+             f"{os.environ.get('OMP_NUM_THREADS', 'default')}, OMP_WAIT_POLICY "
+             f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; load average "
+             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
+    print(f"\n{args.shape or args.model}{' (random weights)' if args.shape else ''}, {args.clients} streaming chat "
+          f"clients, greedy, max_tokens {args.max_tokens}, mixed: {' / '.join(models)} in turn"
+          f"{', --deterministic' if args.deterministic else ''}; {args.device}: {where}\n")
     table(groups)
+    if reference:
+        print(f"\ntransformers generate, one base prompt at a time: {statistics.median(r['tps'] for r in reference):.1f}"
+              f" tok/s (median of {len(reference)}; tokens / time, prompt included); same text as the server's "
+              f"alone answer: {sum(r['same'] for r in reference)}/{len(reference)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "clients": args.clients, "max_tokens": args.max_tokens,
-                       "results": groups, "rows": {k: v["rows"] for k, v in raw.items() if k in runs},
+            json.dump({"model": args.shape or args.model, "device": args.device, "where": where,
+                       "deterministic": args.deterministic, "clients": args.clients, "max_tokens": args.max_tokens,
+                       "results": groups, "hf_generate": reference,
+                       "rows": {k: v["rows"] for k, v in raw.items() if k in runs},
                        "llama_cpp_rows": {q: v["base"]["rows"] for q, v in llama.items()}}, f, indent=2)
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 if __name__ == "__main__":

@@ -293,11 +293,161 @@ def test_a_row_moved_to_a_lower_slot_decodes_on_as_its_own_forward(served_tiny):
         torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)
 
 
-def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served_tiny):
+def test_graph_buckets_hold_the_rows_and_the_cache_they_need():
+    from tunesmith.serve.graphs import batch_buckets, length_bucket, pick
+
+    assert batch_buckets(1) == [1] and batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert [pick(n, batch_buckets(12)) for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+    assert [length_bucket(n, 4096) for n in (1, 256, 257, 1000, 4096)] == [256, 256, 512, 1024, 4096]
+    assert length_bucket(300, 300) == 300 and length_bucket(5, 64) == 64  # never past the cache allocated
+
+
+def poisoned_lm(model, slots):
+    """A BatchedLM whose cache starts as NaN, as fresh GPU memory may: a position read before it is written or
+    zeroed poisons the logits."""
+    from tunesmith.serve.batch import BatchedLM
+
+    lm = BatchedLM(model, slots=slots, context=64)
+    lm.keys.fill_(float("nan"))
+    lm.values.fill_(float("nan"))
+    return lm
+
+
+def test_the_static_decode_step_gives_the_packed_steps_logits_and_writes_only_its_rows(served_tiny):
+    """What a CUDA graph replays, run eagerly on the CPU: three rows (slots 4, 0, 2, different positions, the base
+    and two adapters) padded to the 4-row bucket, over a 256-position cache window, give the packed forward's
+    logits; the padding row writes only the scratch slot."""
+    from tunesmith.serve.graphs import DecodeGraphs
+
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    prompts = [tok(p)["input_ids"] for p in ("ROMEO: But soft", "JULIET:", "First Citizen: Before we proceed")]
+    twins = [poisoned_lm(model, slots=5) for _ in range(2)]
+    rows = [(slot, ids, 0, twins[0].adapter_index(a)) for slot, ids, a in
+            zip((4, 0, 2), prompts, [None, "poet", "clerk"], strict=True)]
+    for lm in twins:
+        lm.forward(rows, [True] * 3)
+    decode = [(slot, [7], len(ids), a) for slot, ids, _, a in rows]
+    packed = twins[0].forward(decode, [True] * 3)
+    static = DecodeGraphs(twins[1], capture=False)
+    assert static.shape(3, 20) == (4, 64)  # the cache holds 64 positions: the window is all of it
+    torch.testing.assert_close(static.run(decode), packed, rtol=0, atol=1e-5)
+    for slot in (0, 2, 4):
+        written = max(len(ids) for s, ids, *_ in rows if s == slot) + 1
+        torch.testing.assert_close(twins[1].keys[:, slot, :written], twins[0].keys[:, slot, :written])
+    assert twins[1].keys[:, (1, 3)].isnan().all()  # slots no row holds: untouched
+
+
+def test_the_deterministic_mode_gives_a_row_the_same_bits_alone_and_in_a_batch(served_tiny):
+    """--deterministic: a row's logits do not depend on what else is in the batch, to the last bit: prompts read
+    alone, decode at the one fixed shape (here the eager static step; on CUDA its graph)."""
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    from tunesmith.serve.batch import BatchedLM
+
+    mine = (1, tok("ROMEO: But soft, what light")["input_ids"], 0, 1)
+    others = [(0, tok("JULIET:")["input_ids"], 0, 0), (3, tok("Speaker 2: now")["input_ids"], 0, 2)]
+    got = []
+    for batch in ([mine], [mine, *others]):
+        lm = BatchedLM(model, slots=4, context=64, deterministic=True)
+        first = lm.forward(batch, [True] * len(batch))[0]
+        nxt = lm.forward([(s, [int(first.argmax())], len(ids), a) for s, ids, _, a in batch], [True] * len(batch))
+        got.append((first, nxt[0]))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+def test_a_capture_that_fails_falls_back_to_the_same_step_eagerly(served_tiny, monkeypatch, capsys):
+    """A kernel that cannot be captured (a quantized base's, say): the step runs eagerly, once said, with the
+    same logits."""
+    from tunesmith.serve.graphs import DecodeGraphs, make_graphs
+
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    lm = poisoned_lm(model, slots=2)
+    assert lm.graphs is None and make_graphs(lm, fixed=False) is None  # the CPU: the packed eager step
+    ids = tok("JULIET:")["input_ids"]
+    lm.forward([(1, ids, 0, 1)], [True])
+    graphs = DecodeGraphs(lm, capture=True)
+
+    def cannot(*_):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", cannot)
+    expected = lm.forward([(1, [9], len(ids), 1)], [True])
+    lm.forward([(1, ids, 0, 1)], [True])  # the same position again, written the same way
+    torch.testing.assert_close(graphs.run([(1, [9], len(ids), 1)]), expected, rtol=0, atol=1e-5)
+    assert not graphs.capture and "without CUDA graphs (RuntimeError" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_captured_decode_graphs_replay_the_static_step(served_tiny):
+    """On CUDA: the graph of each bucket replays what the static step computes eagerly."""
+    from tunesmith.serve.batch import BatchedLM
+    from tunesmith.serve.graphs import DecodeGraphs
+
+    model, tok = served_tiny.model.to("cuda"), served_tiny.tokenizer
+    try:
+        results = []
+        for capture in (True, False):
+            lm = BatchedLM(model, slots=4, context=64)
+            lm.graphs = DecodeGraphs(lm, capture=capture)
+            rows = [(s, tok(p)["input_ids"], 0, a) for s, p, a in ((0, "ROMEO:", 1), (2, "JULIET: O", 0), (3, "A", 2))]
+            lm.forward(rows, [True] * 3)
+            results.append([lm.forward([(s, [t], len(ids), a) for s, ids, _, a in rows[:n]], [True] * n)
+                            for n, t in ((3, 5), (1, 6))])
+            assert lm.graphs.replays == (2 if capture else 0)
+        for got, eager in zip(*results, strict=True):
+            torch.testing.assert_close(got, eager, rtol=0, atol=1e-5)
+    finally:
+        served_tiny.model.to("cpu")
+
+
+GROUPED_CHECK = """
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+from tunesmith.serve import grouped_lora
+from tunesmith.serve.batch import BatchedLM
+
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=256))
+targets = ["q_proj", "v_proj", "down_proj"]
+model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets), adapter_name="poet")
+model.add_adapter("clerk", LoraConfig(r=4, lora_alpha=4, target_modules=targets[:2]))  # other ranks, fewer linears
+with torch.no_grad():
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.normal_(0, 0.5)
+assert grouped_lora.available(torch.zeros(1))
+rows = [(0, [5, 6, 7], 0, 1), (2, [9], 0, 0), (1, [3, 4], 0, 2)]
+step = [(0, [8], 3, 1), (2, [10], 1, 0), (1, [11], 2, 2)]
+got = []
+for kernel in (False, True):
+    lm = BatchedLM(model.eval(), slots=3, context=64, lora_kernel=kernel)
+    got.append((lm.forward(rows, [True] * 3), lm.forward(step, [True] * 3), lm.graphs))
+for stacked, grouped in zip(got[0][:2], got[1][:2]):
+    torch.testing.assert_close(grouped, stacked, rtol=0, atol=1e-5)
+print("same")
+"""
+
+
+def test_grouped_lora_kernels_give_the_stacked_paths_logits_under_triton_s_interpreter():
+    """serve.grouped_lora's Triton kernels (the CPU runs them under Triton's interpreter): a batch of rows over
+    two adapters of different ranks and linears, prefill and decode, gives the stacked path's logits."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="triton is not installed: the kernels cannot run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", GROUPED_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "same", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served_tiny, deterministic):
     """Nine requests over three slots: prompts of different lengths, prefilled in chunks of 8, rows joining as
     others leave, greedy, sampled with a seed and cut by a stop string; each answer is the one it gets alone."""
     model, tok = served_tiny.model, served_tiny.tokenizer
-    engine = Engine(model, tok, parallel=3, prefill_chunk=8)
+    engine = Engine(model, tok, parallel=3, prefill_chunk=8, deterministic=deterministic)
     rec = Recorder(engine)
     prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore art thou Romeo?" * 2, "Speaker 3:"] * 3
     specs = [dict(adapter=[None, "poet", "clerk"][i % 3], ids=tok(p)["input_ids"], max_tokens=6 + 2 * i)

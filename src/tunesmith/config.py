@@ -406,6 +406,9 @@ class ServeConfig(Config):
     parallel: int = opt(8, "requests answered at once, batched into each forward step; later ones wait in a "
                         "first-come, first-served queue of 4 per slot, and past that are refused (429, Retry-After)",
                         bounds=AT_LEAST_1)
+    deterministic: bool = opt(False, "answers that do not depend on the other requests in the batch, bit for bit "
+                              "(each prompt read alone; every decode step at the full --parallel batch over the "
+                              "whole cache): slower, for reproducible bf16 answers on a GPU")
     device: str = same_as(ModelConfig, "device")
     precision: str = same_as(ModelConfig, "precision")
     trust_remote_code: bool = same_as(ModelConfig, "trust_remote_code")

@@ -103,12 +103,14 @@ class Answer:
         self.start = time.perf_counter()  # the prefill begins now
         self.prefill_s = self.decode_start = 0.0
 
-    def add(self, logits: torch.Tensor) -> GenerationResponse:
-        """The next token drawn from `logits` (those after the last token so far) and what it adds to the text."""
+    def add(self, logits: torch.Tensor, token: int | None = None) -> GenerationResponse:
+        """The next token drawn from `logits` (those after the last token so far) and what it adds to the text.
+        `token`: the greedy token, drawn already (the server draws a step's greedy rows at once)."""
         if not self.generated:
             self.decode_start = time.perf_counter()
             self.prefill_s = self.decode_start - self.start
-        token = sample_next(logits, self.temperature, self.top_p, self.generator)
+        if token is None or self.temperature > 0:
+            token = sample_next(logits, self.temperature, self.top_p, self.generator)
         self.generated.append(token)
         n = len(self.generated)
         finished = token in self.stop_tokens

@@ -35,7 +35,7 @@ def serve(cfg: ServeConfig) -> None:
 
     sock = listen(cfg.host, cfg.port)  # a port in use fails now, not after the model loads
     served = load_served(cfg)
-    app = build_app(served, Engine(served.model, served.tokenizer, cfg.parallel), cfg.api_key, cfg.max_tokens)
+    app = build_app(served, Engine(served.model, served.tokenizer, cfg.parallel, deterministic=cfg.deterministic), cfg.api_key, cfg.max_tokens)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     names = ", ".join([served.base_name, *served.adapters])

@@ -7,8 +7,8 @@ base or a bias works as it does in the model. The tokens of a step are packed on
 a row that prefills a chunk of its prompt and rows that decode one token each cost what their tokens cost, with no
 padding, except in attention, where each row's queries meet its own slot of the cache.
 
-The KV cache is one static tensor, [layers, slots, length, kv heads, head dim]; a row writes its keys and values
-at its own positions. It is allocated once for `FIRST_LENGTH` positions (or the context, if shorter) and doubled,
+The KV cache is one static tensor, [layers, slots + 1, length, kv heads, head dim] (the last slot is scratch, where
+the decode graphs' padding rows write: serve.graphs); a row writes its keys and values at its own positions. It is allocated once for `FIRST_LENGTH` positions (or the context, if shorter) and doubled,
 up to the context, in the rare step where a row needs more: a model with a long context does not reserve it all
 for every slot up front. On the CPU `torch.empty` is backed by the OS only where written; positions are zeroed a
 block at a time as rows reach them, so resident memory follows the longest answers, and nothing is allocated per
@@ -20,6 +20,9 @@ out]); a per-token mask keeps the columns of the token's own adapter, times its 
 `base(x) + ((x @ A) * mask) @ B` is, for each row, its own `base(x) + scale * B(A(x))`, and exactly base(x) for a
 row of the base. Two matmuls per linear whatever the batch holds, and no copy of any weight per row: with a few
 adapters, the summed rank stays far below the hidden size and this costs less than gathering each row's A and B.
+(serve.grouped_lora computes the same as two Triton kernels that read only each token's own adapter.)
+
+On CUDA a step where every row decodes one token replays a CUDA graph (serve.graphs); the rest run as written here.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tunesmith.serve import grouped_lora
+from tunesmith.serve.graphs import make_graphs
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ZERO_BLOCK = 256  # cache positions zeroed at a time, ahead of the rows that will read them
@@ -54,32 +60,43 @@ def unsupported(model: torch.nn.Module) -> str | None:
 
 
 class StackedLora:
-    """One linear of the model and the LoRA of every adapter over it, stacked by rank."""
+    """One linear of the model and the LoRA of every adapter over it, stacked by rank; with `kernel`, grouped for
+    serve.grouped_lora's kernels instead."""
 
-    def __init__(self, module: torch.nn.Module, adapters: list[str | None], layouts: dict):
+    def __init__(self, module: torch.nn.Module, adapters: list[str | None], layouts: dict, kernel: bool = False):
         self.base = getattr(module, "base_layer", module)
-        self.a = self.b = None
+        self.a = self.b = self.grouped = None
         self.layout = -1  # which per-token mask this linear takes (linears with the same adapters share one)
         names = [n for n in adapters if n is not None and n in getattr(module, "lora_A", {})]
         if not names:
             return
-        a = [module.lora_A[n].weight for n in names]
-        self.a = torch.cat(a).t().contiguous()  # [in, sum of ranks]
-        self.b = torch.cat([module.lora_B[n].weight for n in names], dim=1).t().contiguous()  # [sum of ranks, out]
-        columns = torch.zeros(len(adapters), self.a.shape[1], dtype=self.a.dtype, device=self.a.device)
+        a = [module.lora_A[n].weight.detach() for n in names]
+        b = [module.lora_B[n].weight.detach() for n in names]
+        if kernel:
+            self.grouped = grouped_lora.grouped(a, b, [module.scaling[n] for n in names])
+        else:
+            self.a = torch.cat(a).t().contiguous()  # [in, sum of ranks]
+            self.b = torch.cat(b, dim=1).t().contiguous()  # [sum of ranks, out]
+        columns = torch.zeros(len(adapters), sum(w.shape[0] for w in a), dtype=a[0].dtype, device=a[0].device)
+        table = torch.full((len(adapters),), -1, dtype=torch.long, device=a[0].device)  # adapter -> its place here
         at = 0
-        for n, w in zip(names, a, strict=True):
+        for i, (n, w) in enumerate(zip(names, a, strict=True)):
             columns[adapters.index(n), at : at + w.shape[0]] = module.scaling[n]
+            table[adapters.index(n)] = i
             at += w.shape[0]
         key = (tuple(columns.flatten().tolist()), columns.shape)
-        self.layout = layouts.setdefault(key, (len(layouts), columns))[0]
+        self.layout = layouts.setdefault(key, (len(layouts), table if kernel else columns))[0]
 
     def __call__(self, x: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+        """masks: per layout, each token's mask over the stacked ranks ([tokens, sum of ranks]) or, grouped, each
+        token's place among this linear's adapters ([tokens], -1: none); None where no token has an adapter."""
         y = self.base(x)
         mask = masks[self.layout] if self.layout >= 0 else None
-        if mask is not None:
-            y = torch.addmm(y, (x @ self.a).mul_(mask), self.b)
-        return y
+        if mask is None:
+            return y
+        if self.grouped is not None:
+            return grouped_lora.add_lora(y, x.contiguous(), *self.grouped, mask)
+        return torch.addmm(y, (x @ self.a).mul_(mask), self.b)
 
 
 @dataclass
@@ -94,7 +111,7 @@ class Step:
     token_cols: torch.Tensor  # [N] the token's place among its row's tokens this step
     adapters: torch.Tensor  # [N] the index of each token's adapter (0: the base)
     mask: torch.Tensor  # [B, 1, T, L] which cached positions each row's queries see
-    logits_at: torch.Tensor  # [R] the tokens whose next-token logits are wanted
+    logits_at: torch.Tensor | None  # [R] the tokens whose next-token logits are wanted (None: every token)
     width: int  # T: the most tokens of one row
     length: int  # L: the longest row's cache length after this step
     first_slot: int | None  # s when the rows' slots are s, s + 1, ... in order (attention reads a view), else None
@@ -103,7 +120,8 @@ class Step:
 class BatchedLM:
     """The model as one batched forward over rows in cache slots; see the module's docstring."""
 
-    def __init__(self, model: torch.nn.Module, slots: int, context: int):
+    def __init__(self, model: torch.nn.Module, slots: int, context: int, deterministic: bool = False,
+                 lora_kernel: bool = False):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's too
 
         self.rope = apply_rotary_pos_emb
@@ -111,12 +129,14 @@ class BatchedLM:
         self.inner, self.config = inner, inner.config
         self.adapters: list[str | None] = [None, *getattr(model, "peft_config", {})]
         layouts: dict = {}
-        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts) for n in LINEARS]
+        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts, lora_kernel) for n in LINEARS]
                        for layer in inner.model.layers]
-        self.layouts = [columns for _, columns in sorted(layouts.values(), key=lambda v: v[0])]
+        # per layout, what a token's adapter index gathers: its mask's row (stacked), or its place (grouped)
+        self.layouts = [per_adapter for _, per_adapter in sorted(layouts.values(), key=lambda v: v[0])]
+        self.lora_kernel = lora_kernel
         attn = inner.model.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        self.context = context
+        self.context, self.slots, self.deterministic = context, slots, deterministic
         self.head = _plain_cpu_weight(inner.lm_head)
         # the cache holds what the layers compute in: the embedding's output dtype, on its device (the table may be
         # a quantized tensor subclass, or quantformat's CPU int8 module, which has no `weight`)
@@ -124,8 +144,9 @@ class BatchedLM:
         where = next(iter([*embed.parameters(), *embed.buffers()]))
         probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
         self.keys = self.values = torch.empty(0, dtype=probe.dtype, device=probe.device)
-        self._grow(slots, min(context, FIRST_LENGTH))
-        self.clean = [0] * slots  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
+        self._grow(slots + 1, min(context, FIRST_LENGTH))  # one slot more: the decode graphs' padding rows write there
+        self.clean = [0] * (slots + 1)  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
+        self.graphs = make_graphs(self, fixed=deterministic)
 
     def adapter_index(self, name: str | None) -> int:
         return self.adapters.index(name)
@@ -133,28 +154,60 @@ class BatchedLM:
     @torch.inference_mode()
     def forward(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> torch.Tensor:
         """rows: (slot, new tokens, tokens already cached, adapter index); want: whether a row needs the logits
-        after its last new token. Returns those logits, [rows wanting them, vocab], in row order."""
+        after its last new token. Returns those logits, [rows wanting them, vocab], in row order.
+
+        A step where every row decodes runs the decode graphs (serve.graphs) where there are any; other steps run
+        packed and eager. In the deterministic mode a row that reads its prompt runs alone, and the decoding rows
+        run at the graphs' one fixed shape, so no row's numbers depend on what else is in the batch."""
+        decoding = [len(tokens) == 1 and w for (_, tokens, _, _), w in zip(rows, want, strict=True)]
+        if self.graphs is not None and all(decoding):
+            return self.graphs.run(rows)
+        if not self.deterministic:
+            return self._eager(rows, want)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        decode = [i for i, d in enumerate(decoding) if d]
+        if decode:
+            for i, logits in zip(decode, self.graphs.run([rows[i] for i in decode]), strict=True):
+                out[i] = logits
+        for i in (i for i, d in enumerate(decoding) if not d):
+            logits = self._eager([rows[i]], [want[i]])
+            out[i] = logits[0] if want[i] else None
+        kept = [o for o in out if o is not None]
+        return torch.stack(kept) if kept else torch.empty(0)
+
+    def _eager(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> torch.Tensor:
+        """The packed forward of any rows, planned for this step."""
         step = self._plan(rows, want)
-        if step.length > self.keys.shape[2]:
-            self._grow(self.keys.shape[1], min(self.context, max(2 * self.keys.shape[2], step.length)))
+        self.ensure_length(step.length)
         for slot in (s for s, *_ in rows):
-            self._zero_ahead(slot, step.length)
-        masks = [None] * len(self.layouts)
-        for i, columns in enumerate(self.layouts):
-            mask = columns[step.adapters]
-            masks[i] = mask if bool(mask.any()) else None  # rows of the base only: no LoRA at all
+            self.zero_ahead(slot, step.length)
+        masks = [m if bool((m >= 0).any() if self.lora_kernel else m.any()) else None  # no token of it: no LoRA
+                 for m in self.masks(step.adapters)]
+        return self.run(step, masks)
+
+    def masks(self, adapters: torch.Tensor) -> list[torch.Tensor]:
+        """What each linear's LoRA takes for tokens of these adapters (StackedLora.__call__), per layout."""
+        return [per_adapter[adapters] for per_adapter in self.layouts]
+
+    def run(self, step: Step, masks: list[torch.Tensor | None]) -> torch.Tensor:
+        """The model over a planned step: the next-token logits at `step.logits_at`, as float32."""
         model = self.inner.model
         x = model.embed_tokens(step.ids)
         cos, sin = model.rotary_emb(x, step.positions[None])
         cos, sin = cos[0], sin[0]
         for i, (layer, linears) in enumerate(zip(model.layers, self.layers, strict=True)):
             x = self._layer(i, layer, linears, x, cos, sin, step, masks)
-        x = model.norm(x[step.logits_at])
+        x = model.norm(x if step.logits_at is None else x[step.logits_at])
         if self.head is not None and x.shape[0] > 1:
             # weight @ x^T rather than x @ weight^T: MKL's product over a vocabulary-long weight (113 MB for
             # SmolLM2's 49k tokens) with a few rows is 1.6x faster this way round; one row is as fast either way
             return (self.head @ x.t()).t().float()
         return self.inner.lm_head(x).float()
+
+    def ensure_length(self, length: int) -> None:
+        """A cache of at least `length` positions per slot (doubled, up to the context, when it is shorter)."""
+        if length > self.keys.shape[2]:
+            self._grow(self.keys.shape[1], min(self.context, max(2 * self.keys.shape[2], length)))
 
     def _layer(self, i: int, layer, linears: list[StackedLora], x, cos, sin, step: Step, masks) -> torch.Tensor:
         q_proj, k_proj, v_proj, o_proj, gate, up, down = linears
@@ -229,7 +282,7 @@ class BatchedLM:
             values[:, :, : self.values.shape[2]] = self.values
         self.keys, self.values = keys, values
 
-    def _zero_ahead(self, slot: int, length: int) -> None:
+    def zero_ahead(self, slot: int, length: int) -> None:
         """Attention reads every slot up to the longest row's length: what a shorter row has not written must be
         finite (a stale value is; fresh memory may not be), as a masked position's weight is 0 but 0 * NaN is
         not."""

@@ -87,8 +87,9 @@ class Engine:
     """The worker thread and its queue; `submit` may be called from any thread."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, parallel: int = 8, max_waiting: int | None = None,
-                 prefill_chunk: int = 64):
+                 prefill_chunk: int = 64, deterministic: bool = False):
         self.model, self.tokenizer, self.parallel = model, tokenizer, parallel
+        self.deterministic = deterministic
         self.max_waiting = WAITING_PER_SLOT * parallel if max_waiting is None else max_waiting
         self.prefill_chunk = prefill_chunk
         self.finished: deque[Finished] = deque(maxlen=100)
@@ -101,7 +102,8 @@ class Engine:
 
     def start(self) -> None:
         if self._thread is None:
-            self._runner = self._runner or make_runner(self.model, self.tokenizer, self.parallel)
+            self._runner = self._runner or make_runner(self.model, self.tokenizer, self.parallel,
+                                                       self.deterministic)
             self._closing = False
             self._thread = threading.Thread(target=self._run, name="tunesmith-generate", daemon=True)
             self._thread.start()
@@ -176,9 +178,12 @@ class Engine:
 
     def _step(self, active: list[_Row], free: list[int]) -> None:
         """One forward for every active row: decoding rows add one token, rows reading their prompt share the
-        step's prefill budget in arrival order; every row whose tokens are all in draws its next token."""
+        step's prefill budget in arrival order (in the deterministic mode each reads its own chunk, so where its
+        chunks end does not depend on the others); every row whose tokens are all in draws its next token."""
         plan, budget = [], self.prefill_chunk
         for row in active:
+            if self.deterministic:
+                budget = self.prefill_chunk
             take = row.pending if row.answer.generated else row.pending[:budget]
             if not row.answer.generated:
                 budget -= len(take)
@@ -194,17 +199,17 @@ class Engine:
                 self._leave(row, active, free, "error", e)
             return
         self.steps += 1
-        at = 0
+        drawing = [row for row, take in plan if len(take) == len(row.pending)]
+        greedy = _greedy(logits, [row.job.temperature <= 0 for row in drawing])
         for row, take in plan:
             row.cached += len(take)
             row.pending = row.pending[len(take) :]
-            if not row.pending:
-                self._draw(row, logits[at], active, free)
-                at += 1
+        for at, row in enumerate(drawing):
+            self._draw(row, logits[at], greedy[at], active, free)
 
-    def _draw(self, row: _Row, logits: torch.Tensor, active: list[_Row], free: list[int]) -> None:
+    def _draw(self, row: _Row, logits: torch.Tensor, token: int | None, active: list[_Row], free: list[int]) -> None:
         try:
-            r = row.answer.add(logits)
+            r = row.answer.add(logits, token)
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
             self._leave(row, active, free, "error", e)
@@ -227,12 +232,22 @@ class Engine:
         job.emit(error)
 
 
-def make_runner(model: torch.nn.Module, tokenizer, slots: int):
-    """The batched forward for this model (serve.batch.BatchedLM), or the per-row fallback where it cannot run."""
+def _greedy(logits: torch.Tensor, rows: list[bool]) -> list[int | None]:
+    """The greedy rows' tokens, drawn together (one wait for the device, not one per row); None for the others."""
+    picked = [i for i, g in enumerate(rows) if g]
+    if not picked:
+        return [None] * len(rows)
+    tokens = iter(logits[picked].argmax(-1).tolist() if len(picked) < len(rows) else logits.argmax(-1).tolist())
+    return [next(tokens) if g else None for g in rows]
+
+
+def make_runner(model: torch.nn.Module, tokenizer, slots: int, deterministic: bool = False):
+    """The batched forward for this model (serve.batch.BatchedLM), or the per-row fallback where it cannot run
+    (which is deterministic already: each row runs alone)."""
     from tunesmith.models import context_length
     from tunesmith.serve.batch import BatchedLM, PerRow, unsupported
 
     model.eval()
     if unsupported(model) is None:
-        return BatchedLM(model, slots, context_length(model, tokenizer))
+        return BatchedLM(model, slots, context_length(model, tokenizer), deterministic)
     return PerRow(model, slots)
