@@ -209,6 +209,7 @@ class TrainSetup:
     strategy: str = "ddp"  # ddp (every GPU the whole model) | fsdp (FSDP2: weights, gradients, moments sharded)
     recompute: bool = False  # --recompute: norms and the gated MLP keep their inputs only (where the model allows)
     base_calibration: int = 0  # --base-calibration: blocks GPTQ calibrates the quantized base on, before training
+    nf4_kernels: bool = False  # the nf4 base's products through tunesmith.kernels.nf4 (CUDA, Triton, fast paths)
 
     @property
     def full(self) -> bool:
@@ -520,7 +521,9 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     }
     if s.quantize_base != "none":  # one layer's weight dequantized at a time, alive while it multiplies
         biggest = max((i * o for i, o in quantized_linears(shape, s.quantize_base).values()), default=0)
-        parts["dequant"] = DEQUANT_COPIES * a * biggest
+        # the nf4 kernels decode in registers, or into one weight-sized buffer cuBLAS multiplies (the faster wins)
+        copies = 1 if s.nf4_kernels and s.quantize_base == "nf4" else DEQUANT_COPIES
+        parts["dequant"] = copies * a * biggest
     if s.fine_tune_type == "dora":
         parts["dora_norm"] = dora_norm_bytes(shape, s)
     if s.world > 1:
@@ -745,6 +748,7 @@ def plan_run(
         num_layers=int(getattr(cfg, "num_layers", 0)), world=max(1, world),
         strategy=getattr(cfg, "strategy", "ddp"), recompute=bool(getattr(cfg, "recompute", True)) and getattr(cfg, "fast_paths", "auto") == "auto",
         base_calibration=int(getattr(cfg, "base_calibration", 0)) if not getattr(cfg, "resume", False) else 0,
+        nf4_kernels=_nf4_kernels(cfg, device),
     )
     p = plan(shape, setup, total, available)
     if auto:
@@ -752,6 +756,14 @@ def plan_run(
             raise TunesmithError(f"--batch-size auto: {verdict(p)}")
         p = plan(shape, replace(setup, batch_size=p.best_batch), total, available)
     return p
+
+
+def _nf4_kernels(cfg, device: torch.device) -> bool:
+    """Whether train takes the nf4 kernels (tunesmith.kernels.nf4's path) for this run."""
+    from tunesmith.kernels.base import triton_available
+
+    return (device.type == "cuda" and getattr(cfg, "fast_paths", "auto") == "auto"
+            and getattr(cfg, "quantize_base", "none") == "nf4" and triton_available())
 
 
 def _process_rss() -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, qkv, recompute
+from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, nf4, qkv, recompute
 from tunesmith.kernels.base import LossFn, Setting
 
 PATHS = (
@@ -25,6 +25,7 @@ PATHS = (
     qkv.PATH,  # q, k, v as one product (+ the RoPE kernel on CUDA)
     lora_mlp.PATH,  # the LoRA-aware MLP (CUDA)
     lora.PATH,  # fused LoRA (eager layers)
+    nf4.PATH,  # the nf4 base's products through Triton (CUDA), before the layers compile around them
     compiled.PATH,  # regional compile, CUDA graphs
     recompute.PATH,  # cheap activations recomputed
 )
