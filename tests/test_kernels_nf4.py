@@ -200,3 +200,29 @@ def test_the_fused_loss_takes_the_4_bit_path_too(tokenizer):
     applied.undo(model)
     assert relative_error(got, want) <= loss.PATH.tolerance
     assert max(relative_error(got_grads[n], want_grads[n]) for n in want_grads) <= 1e-4
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_kernels_compile_for_ampere_and_hopper(arch, transposed):
+    """The kernels as the GPU builds them (Triton's own ptxas, no GPU needed), at the trainer's tiles and bf16:
+    what the interpreter cannot check (the products' precision, the joined nibbles' layout, the registers)."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    bm, bn, bk, group, warps, stages = nf4.FUSED_TILES
+    types = {"X": "*bf16", "Q": "*u8", "QS": "*i8", "QF": "*bf16", "LUT": "*bf16", "MEAN": "*bf16", "Y": "*bf16"}
+    consts = {"TRANSPOSED": transposed, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
+              "PRECISION": "tf32"}
+    names = nf4._mm_kernel.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(nf4._mm_kernel, signature, {(names.index(n),): v for n, v in consts.items()})
+    built = compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    assert built.asm["cubin"] and built.metadata.shared <= 228 * 1024
+    rows, cols, dwarps = nf4.DEQUANT_TILES
+    names = nf4._dequant_kernel.arg_names
+    consts = {"BLOCK_R": rows, "BLOCK_C": cols}
+    signature = {n: "constexpr" if n in consts else {**types, "W": "*bf16"}.get(n, "i32") for n in names}
+    src = ASTSource(nf4._dequant_kernel, signature, {(names.index(n),): v for n, v in consts.items()})
+    assert compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": dwarps}).asm["cubin"]

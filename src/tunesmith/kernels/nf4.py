@@ -76,7 +76,7 @@ if triton is not None:
         mask = row_mask[:, None] & (2 * j < K)[None, :]
         byte = rows[:, None].to(tl.int64) * (K // 2) + j[None, :]  # the pair's byte; its block: byte // 32
         packed = tl.load(Q + byte, mask=mask, other=0).to(tl.int32)
-        block = byte // (BLOCK // 2)
+        block = byte // 32  # BLOCK // 2 bytes a block (a jit function reads no module globals)
         q = tl.load(QS + block, mask=mask, other=0).to(tl.float32)
         f = tl.load(QF + block // SB, mask=mask, other=1.0).to(tl.float32)
         mean = tl.load(MEAN).to(tl.float32)
