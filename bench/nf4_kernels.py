@@ -37,6 +37,18 @@ def timed(fn, repeat: int = 20) -> float:
     return start.elapsed_time(end) / repeat
 
 
+def products(x, q, w, parts, fwd: bool, linear_nf4):
+    """The four ways to x W^T (fwd) or x W: torchao, the fused kernel, decode then cuBLAS, bf16 cuBLAS."""
+    from tunesmith.kernels import nf4
+
+    if fwd:
+        ref, plain = (lambda: linear_nf4(x, q)), (lambda: x @ w.t())
+    else:  # what linear_nf4's backward computes: g times the weight dequantized again
+        ref, plain = (lambda: x @ q.to(x.dtype)), (lambda: x @ w)
+    return (ref, lambda: nf4.mm_triton(x, *parts, fwd), lambda: nf4._dequantize_then_mm(x, *parts, transposed=fwd),
+            plain)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=8192, help="tokens per product (batch x seq)")
@@ -62,14 +74,7 @@ def main() -> int:
         for direction in ("forward", "input grad"):
             fwd = direction == "forward"
             x = torch.randn(a.rows, in_f if fwd else out_f, device="cuda", dtype=bf16)
-            if fwd:
-                ref = lambda x=x: linear_nf4(x, q)  # noqa: E731
-                plain = lambda x=x: x @ w.t()  # noqa: E731
-            else:  # what linear_nf4's backward computes: g times the weight dequantized again
-                ref = lambda x=x: x @ q.to(bf16)  # noqa: E731
-                plain = lambda x=x: x @ w  # noqa: E731
-            fused = lambda x=x, fwd=fwd: nf4.mm_triton(x, *parts, fwd)  # noqa: E731
-            deq = lambda x=x, fwd=fwd: nf4._dequantize_then_mm(x, *parts, transposed=fwd)  # noqa: E731
+            ref, fused, deq, plain = products(x, q, w, parts, fwd, linear_nf4)
             want = ref().float()
             errs = {k: ((f().float() - want).abs().max() / want.abs().max()).item()
                     for k, f in (("fused", fused), ("dequantize", deq))}
@@ -80,7 +85,6 @@ def main() -> int:
             rows.append(row)
             print(f"| {name} | {direction} | {ms['torchao']:.3f} | {ms['fused']:.3f} | {ms['dequantize']:.3f} | "
                   f"{ms['bf16']:.3f} | {picked} | {errs['fused']:.2e} | {errs['dequantize']:.2e} |", flush=True)
-        del layer, q, w
     if a.out:
         with open(a.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
