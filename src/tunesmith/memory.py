@@ -51,7 +51,9 @@ CPU_HEAP_SLACK_BYTES = {False: 256 * 2**20, True: 540 * 2**20}
 # A quantized base adds to it: every product dequantizes a weight into fresh memory, forward and backward, and those
 # blocks (a few MiB each) come from glibc's heaps, which keep them. Measured on SmolLM2-135M (docs/MEMORY.md,
 # "Training modes on the CPU"): 0.44-0.79 GiB more than the plan's tensors without checkpointing, 0.1 with it
-# (where the checkpointing slack above already counts 0.28 more).
+# (where the checkpointing slack above already counts 0.28 more). Measured with fp32 copies; a bf16 run's copies
+# are half the size, and so is what the heaps keep of them (SmolLM2-135M, bf16, seq 256, micro-batch 1: 1.466 GiB
+# measured, 1.528 planned with half the slack, 1.778 with all of it; bench/qlora_acceptance.py).
 CPU_DEQUANT_SLACK_BYTES = {False: 512 * 2**20, True: 200 * 2**20}
 
 # Shapes of well-known models, so `fit` can answer offline (hub configs of gated models need a login).
@@ -548,7 +550,8 @@ def cpu_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int]) -> dict[s
     out = {"runtime": CPU_RUNTIME_BYTES + CPU_TOKENIZER_BYTES_PER_VOCAB * shape.vocab,
            "allocator": CPU_HEAP_SLACK_BYTES[s.gradient_checkpointing]}
     if s.quantize_base != "none":
-        out["allocator"] += CPU_DEQUANT_SLACK_BYTES[s.gradient_checkpointing]
+        copy = 4 if s.precision == "fp32" else 2  # bytes of a dequantized weight: the slack is measured in fp32
+        out["allocator"] += CPU_DEQUANT_SLACK_BYTES[s.gradient_checkpointing] * copy // 4
     w = 4 if s.precision == "fp32" or s.full else 2
     if shape.saved_bytes and shape.saved_bytes != w and s.quantize_base == "none":
         loading = out["runtime"] + parts["weights"] + shape.params * shape.saved_bytes
