@@ -34,6 +34,9 @@ class Row:
     rank: int
     alpha: float
     targets: tuple[str, ...]  # ("all-linear",) or module names
+    base: str = "bf16"  # the frozen base: bf16, or nf4 (tunesmith's --quantize-base nf4, Unsloth's load_in_4bit)
+    checkpointing: bool | str = False  # every tool checkpoints: tunesmith's gradient_checkpointing (True, "offload"),
+    # Unsloth's "unsloth" (offloaded), the Trainer's own
 
 
 def model_folder(row: Row, device: str, workdir: Path) -> Path:

@@ -13,8 +13,8 @@ steps, each in its own process (Liger and Unsloth patch transformers classes glo
   (PaLM's formula, which counts the full score matrix, not its causal half);
 - the mean loss of the first and last 5 steps: every tool should be training the same problem.
 
-The -ckpt rows train with gradient checkpointing in every tool: tunesmith with its most memory-saving setting
-(`gradient_checkpointing=offload`, CHECKPOINTED), Unsloth with its default offloaded checkpointing, the Trainer's
+The -ckpt rows and llama-8b-qlora train with gradient checkpointing in every tool: tunesmith with its most memory-saving setting
+(`gradient_checkpointing=offload`, the rows' `checkpointing`), Unsloth with its default offloaded checkpointing, the Trainer's
 tools with its `gradient_checkpointing`.
 - the GPU's state over the timed steps (CUDA, where nvidia-smi answers): the median SM clock and board power and
   the highest temperature, sampled every 100 ms by the parent process while the tool runs. A GPU that lowers its
@@ -63,24 +63,24 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 QV = ("q_proj", "v_proj")
 TOOLS = ["tunesmith", "tunesmith-plain", "hf", "liger", "unsloth"]
 PLAIN_FLAGS = {"fast_paths": "off"}  # the plain PyTorch + PEFT path: none of tunesmith's fast paths
-PACKAGES = ("torch", "transformers", "peft", "accelerate", "liger-kernel", "unsloth", "unsloth_zoo")
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "liger-kernel", "unsloth", "unsloth_zoo", "torchao",
+            "bitsandbytes", "triton")
+NF4_TOOLS = ("tunesmith", "tunesmith-plain", "unsloth")  # a 4-bit base: tunesmith's nf4 against Unsloth's bnb nf4
 
 ROWS = {r.name: r for r in [
     Row("llama-1b", L1B, 2048, 8, 16, 32, ("all-linear",)),
     Row("llama-8b", L8B, 2048, 4, 16, 32, ("all-linear",)),
-    Row("llama-1b-ckpt", L1B, 2048, 8, 16, 32, ("all-linear",)),
-    Row("llama-8b-ckpt", L8B, 2048, 4, 16, 32, ("all-linear",)),
+    Row("llama-1b-ckpt", L1B, 2048, 8, 16, 32, ("all-linear",), checkpointing="offload"),
+    Row("llama-8b-ckpt", L8B, 2048, 4, 16, 32, ("all-linear",), checkpointing="offload"),
+    Row("llama-8b-qlora", L8B, 2048, 4, 16, 32, ("all-linear",), base="nf4", checkpointing="offload"),
     Row("llama-1b-qv", L1B, 1024, 8, 8, 16, QV),
     Row("smollm2", SMOL, 1024, 8, 8, 16, QV),
     Row("smollm2-cpu", "real:smollm2-135m-instruct", 256, 4, 8, 16, QV),
     Row("smoke", "tiny", 32, 2, 8, 16, ("all-linear",)),
+    Row("smoke-qlora", "tiny", 32, 2, 8, 16, ("all-linear",), base="nf4", checkpointing=True),
 ]}
-# Rows where every tool checkpoints: tunesmith with its most memory-saving setting (these flags; --ts-flags may
-# override them), Unsloth with its default offloaded checkpointing, the Trainer's tools with its own.
-CHECKPOINTED = {"llama-1b-ckpt": {"gradient_checkpointing": "offload"},
-                "llama-8b-ckpt": {"gradient_checkpointing": "offload"}}
 DEFAULTS = {  # device -> rows, tools, steps, warm-up steps
-    "cuda": (["llama-1b", "llama-8b", "llama-1b-qv", "smollm2"], TOOLS, 30, 5),
+    "cuda": (["llama-1b", "llama-8b", "llama-8b-qlora", "llama-1b-qv", "smollm2"], TOOLS, 30, 5),
     "cpu": (["smollm2-cpu"], TOOLS[:3], 12, 3),
 }
 
@@ -141,7 +141,7 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
     from tunesmith.train import train
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    flags = CHECKPOINTED.get(row.name, {}) | parse_flags(a.ts_flags) | (PLAIN_FLAGS if a.worker == "tunesmith-plain" else {})
+    flags = parse_flags(a.ts_flags) | (PLAIN_FLAGS if a.worker == "tunesmith-plain" else {})
     for name in sorted(set(flags) - known):
         print(f"train_throughput: TrainConfig has no field {name!r}; ignored", file=sys.stderr)
     flags = {k: v for k, v in flags.items() if k in known}
@@ -153,7 +153,8 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
             precision="bf16" if a.device == "cuda" else "fp32", seq_len=row.seq, batch_size=row.batch,
             max_steps=a.steps, lr=2e-4, warmup_steps=0, lora_rank=row.rank, lora_alpha=row.alpha,
             lora_dropout=a.dropout, lora_targets=list(row.targets), eval_every=0, checkpoint_every=0,
-            seed=0, overwrite=True,
+            seed=0, overwrite=True, quantize_base="nf4" if row.base == "nf4" else "none",
+            gradient_checkpointing=row.checkpointing,
         )
         cfg = TrainConfig(**{**settings, **flags})  # --ts-flags may override any of these (precision=bf16...)
         # StepRecord.elapsed is read right after the step's synchronize, before the end-of-run checkpoint.
@@ -161,8 +162,12 @@ def run_tunesmith(a, row: Row, folder: Path, data: list) -> tuple[list[float], l
                        callback=lambda r: (ends.append(r.elapsed), walls.append(time.time())))
     times = [b - e for e, b in zip([0.0, *ends], ends, strict=False)]
     notes = {"flags": flags, "step_end_unix": walls}
-    if flags.get("gradient_checkpointing"):
-        notes["gradient_checkpointing"] = str(flags["gradient_checkpointing"])
+    if flags.get("gradient_checkpointing", row.checkpointing):
+        notes["gradient_checkpointing"] = str(flags.get("gradient_checkpointing", row.checkpointing))
+    if row.base == "nf4":  # the strategy the nf4 kernels timed fastest for each product shape (kernels.nf4)
+        from tunesmith.kernels import nf4
+
+        notes["nf4_strategies"] = {str(k[2:]): v for k, v in nf4.CHOICE.items()}
     return times, result.losses, result.trainable_params, notes
 
 
@@ -178,23 +183,27 @@ def run_trainer(a, row: Row, folder: Path, data: list) -> tuple[list[float], lis
     dtype = torch.bfloat16 if cuda else torch.float32
     all_linear = row.targets == ("all-linear",)
     notes: dict = {}
-    checkpointed = row.name in CHECKPOINTED
+    checkpointed = bool(row.checkpointing)
     if a.worker == "unsloth":
         from unsloth import FastLanguageModel
 
+        four = row.base == "nf4"  # bitsandbytes' nf4, double-quantized, quantized from the bf16 folder as it loads
         model, _ = FastLanguageModel.from_pretrained(
-            model_name=str(folder), max_seq_length=row.seq, dtype=dtype, load_in_4bit=False,
-            load_in_16bit=True, local_files_only=True)
+            model_name=str(folder), max_seq_length=row.seq, dtype=dtype, load_in_4bit=four,
+            load_in_16bit=not four, local_files_only=True)
+        unsloth_ckpt = checkpointed or a.unsloth_checkpointing == "unsloth"
         model = FastLanguageModel.get_peft_model(
             model, r=row.rank, target_modules=ALL_LINEAR if all_linear else list(row.targets),
             lora_alpha=row.alpha, lora_dropout=a.dropout, bias="none",
-            use_gradient_checkpointing="unsloth" if a.unsloth_checkpointing == "unsloth" or checkpointed else False,
-            random_state=0)
-        notes["gradient_checkpointing"] = (
-            "unsloth (its default), as every tool checkpoints in this row" if checkpointed
-            else "unsloth (its default; the other tools run without)" if a.unsloth_checkpointing == "unsloth"
-            else "off, as the other tools")
+            use_gradient_checkpointing="unsloth" if unsloth_ckpt else False, random_state=0)
+        notes["gradient_checkpointing"] = ("unsloth (its default), as every tool checkpoints in this row"
+                                           if checkpointed else
+                                           "unsloth (its default; the other tools run without)" if unsloth_ckpt
+                                           else "off, as the other tools")
+        notes["load_in_4bit"] = four
     else:
+        if row.base != "bf16":
+            raise RuntimeError(f"{a.worker} is not run on a {row.base} base (those rows: {', '.join(NF4_TOOLS)})")
         if a.worker == "liger":
             import liger_kernel  # noqa: F401  -- missing: a clear ImportError before the model loads
         from peft import LoraConfig, get_peft_model
@@ -468,7 +477,11 @@ def drive(a) -> int:
                           workdir / "logs" / f"prepare-{name}.log")
         if prep is not None and prep.get("error"):
             prep, why = None, prep["error"]
-        for dropout, rnd, tool in itertools.product(map(float, a.dropout.split(",")), range(a.repeat), tools):
+        row_tools = [t for t in tools if ROWS[name].base == "bf16" or t in NF4_TOOLS]
+        if row_tools != tools:
+            print(f"{name}: {', '.join(t for t in tools if t not in row_tools)} not run on its "
+                  f"{ROWS[name].base} base", flush=True)
+        for dropout, rnd, tool in itertools.product(map(float, a.dropout.split(",")), range(a.repeat), row_tools):
             t0 = time.perf_counter()
             with GpuSampler(a.device == "cuda") as sampler:
                 r, err = (None, f"preparing the model failed: {why}") if prep is None else spawn([

@@ -43,6 +43,19 @@ def lora_model(tokenizer, rank: int = 4, dropout: float = 0.0, targets=("all-lin
     return model
 
 
+def qlora_model(tokenizer, rank: int = 4, dtype=torch.bfloat16):
+    """`lora_model` on an nf4 base (QLoRA) in `dtype`: the same adapters that count, on every linear."""
+    from tunesmith.qlora import quantize_base
+
+    model = attach_lora(quantize_base(make_model(tokenizer).to(dtype), "nf4"), rank=rank, alpha=2 * rank,
+                        dropout=0.0, targets=["all-linear"])
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
 def lora_pair(tokenizer, **kw):
     """Two identical `lora_model`s: the plain one and one for a fast path."""
     return lora_model(tokenizer, **kw), lora_model(tokenizer, **kw)
@@ -111,13 +124,15 @@ def _marks(model) -> dict[str, list[str]]:
             for name, m in model.named_modules()}
 
 
-def protocol_check(path, setting, tokenizer) -> dict:
+def protocol_check(path, setting, tokenizer, make=None) -> dict:
     """One fast path on a tiny Llama with LoRA (rank 8, dropout 0) on every linear, against an untouched copy:
     whether it applies in `setting`, the label `apply` gave, the loss's and the LoRA gradients' relative errors
     with it applied (a loss path through its own loss), whether the logits after `undo` are the copy's bit for
-    bit, and what `undo` left on any module that was not there before."""
-    model = lora_model(tokenizer, rank=8)
-    untouched = copy.deepcopy(model)
+    bit, and what `undo` left on any module that was not there before. `make(tokenizer, rank=)`: another model
+    (qlora_model for a path of the quantized base)."""
+    model = (make or lora_model)(tokenizer, rank=8)
+    # a second one made alike: torchao's NF4 tensor does not deep-copy with the scaler blocks small layers take
+    untouched = make(tokenizer, rank=8) if make else copy.deepcopy(model)
     batch = make_batch(tokenizer)
     marks = _marks(model)
     applies = path.applies(setting, model)

@@ -100,3 +100,22 @@ def test_rounds_summary_gives_the_ratio_of_medians_and_each_round_s_own(tt):
     assert f"{17_700 / 16_150:.4f} (medians 17,700 and 16,150 tokens/s)" in line
     assert line.endswith(f"each round: {17_700 / 16_200:.4f}, {17_300 / 16_100:.4f}, {17_800 / 16_150:.4f}")
     assert tt.rounds_summary(results[:2]) == []
+
+
+def test_the_qlora_row_trains_a_4_bit_base_with_checkpointing_in_tunesmith_and_unsloth_only(tt, tmp_path):
+    """llama-8b-qlora: the 8B shape at seq 2048, batch 4, LoRA r16 on all linears, an nf4 base and each tool's
+    checkpointing; tunesmith (and its plain path) against Unsloth, the tools without a 4-bit base left out; the
+    smoke twin trains through tunesmith's nf4 path on the CPU."""
+    row = tt.ROWS["llama-8b-qlora"]
+    assert (row.shape, row.seq, row.batch, row.rank, row.targets) == (tt.L8B, 2048, 4, 16, ("all-linear",))
+    assert row.base == "nf4" and row.checkpointing
+    assert "llama-8b-qlora" in tt.DEFAULTS["cuda"][0]
+    assert set(tt.NF4_TOOLS) == {"tunesmith", "tunesmith-plain", "unsloth"}
+    a = dataclasses.make_dataclass("A", ["worker", "ts_flags", "device", "workdir", "steps", "dropout"])(
+        "tunesmith", "", "cpu", str(tmp_path), 2, 0.0)
+    smoke = tt.ROWS["smoke-qlora"]
+    folder = tt.model_folder(smoke, "cpu", tmp_path)
+    times, losses, trainable, notes = tt.run_tunesmith(a, smoke, folder, tt.examples(smoke, 2, folder))
+    assert len(times) == len(losses) == 2 and trainable > 0 and notes["nf4_strategies"] == {}  # (no CUDA: none)
+    with pytest.raises(RuntimeError, match="not run on a nf4 base"):
+        tt.run_trainer(dataclasses.replace(a, worker="hf"), smoke, folder, [])

@@ -17,7 +17,7 @@ import torch
 from tunesmith import kernels
 from tunesmith.config import TrainConfig
 from tunesmith.evaluate import loss_sum
-from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, offload, qkv, recompute
+from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, nf4, offload, qkv, recompute
 from tunesmith.kernels.base import Setting, replaced_by
 from tunesmith.train import train
 
@@ -28,6 +28,7 @@ from .kernel_fixtures import (
     lora_model,
     make_batch,
     protocol_check,
+    qlora_model,
     relative_error,
 )
 
@@ -50,6 +51,7 @@ SETTINGS = {
     qkv.PATH.name: ("cpu", {}),
     lora_mlp.PATH.name: ("cuda", {"compile": "off"}),
     lora.PATH.name: ("cpu", {}),
+    nf4.PATH.name: ("cuda", {"compile": "off", "quantize_base": "nf4"}),  # on a QLoRA model, the op's reference
     compiled.PATH.name: ("cpu", {"compile": "on"}),
     recompute.PATH.name: ("cpu", {}),
     offload.PATH.name: ("cpu", {"gradient_checkpointing": "offload"}),  # kept on the device there
@@ -92,11 +94,12 @@ def test_a_path_applied_then_undone_leaves_the_forward_bitwise_and_applied_follo
     else:
         install_fake_liger(monkeypatch)
         monkeypatch.setattr(lora_mlp, "triton_available", lambda: True)  # its reference serves the CPU
+        monkeypatch.setattr(nf4, "triton_available", lambda: True)
         monkeypatch.setattr(qkv, "ROPE_ON_CPU", True)  # the RoPE kernel's reference, as CUDA takes the kernel
         eager_aot_compile(monkeypatch)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        result = protocol_check(path, _setting(path), tokenizer)
+        result = protocol_check(path, _setting(path), tokenizer, qlora_model if path is nf4.PATH else None)
         # the compiled layers did run compiled: dynamo captured them
         assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) is (path is compiled.PATH)
         torch._dynamo.reset()

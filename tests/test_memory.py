@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import make_model, tiny_train_config
 from tunesmith import memory as M
-from tunesmith.config import FitConfig
+from tunesmith.config import FitConfig, TrainConfig
 from tunesmith.errors import TunesmithError
 from tunesmith.lora import attach_lora, trainable_parameters
 
@@ -313,6 +313,26 @@ def test_qlora_weights_dequant_and_dora_norm_parts(shape):
     assert dora["adapter"] == plain["adapter"] + 4 * 2 * (64 + 32)  # the fp32 magnitudes of q_proj and v_proj
     i, o = 64, 64  # q_proj is the largest target: B A through a 64 x 64 identity, W, B A, scale B A, their sum
     assert dora["dora_norm"] == max(6 * i * i + 2 * i * o, 2 * i * i + 16 * i * o)
+
+
+def test_the_nf4_kernels_hold_at_most_one_decoded_weight(shape, monkeypatch):
+    """With the nf4 kernels (CUDA, Triton, fast paths) the plan counts one dequantized copy of the largest linear
+    (the dequantize strategy's buffer; the fused one holds none), not DEQUANT_COPIES; plan_run decides it as train
+    does."""
+    s = M.TrainSetup(seq_len=32, batch_size=2, precision="bf16", quantize_base="nf4")
+    biggest = max(i * o for n, (i, o) in shape.linears.items() if n != shape.head_name)
+    assert M.train_parts(shape, s)["dequant"] == M.DEQUANT_COPIES * 2 * biggest
+    assert M.train_parts(shape, replace(s, nf4_kernels=True))["dequant"] == 2 * biggest
+    assert M.train_parts(shape, replace(s, quantize_base="int4", nf4_kernels=True))["dequant"] == \
+        M.DEQUANT_COPIES * 2 * biggest
+    import tunesmith.kernels.base as kb
+
+    cfg = TrainConfig(quantize_base="nf4")
+    for available in (True, False):
+        monkeypatch.setattr(kb, "triton_available", lambda a=available: a)
+        assert M._nf4_kernels(cfg, torch.device("cuda")) is available
+        assert not M._nf4_kernels(cfg, torch.device("cpu"))
+    assert not M._nf4_kernels(TrainConfig(quantize_base="nf4", fast_paths="off"), torch.device("cuda"))
 
 
 def test_base_calibration_peaks_at_the_full_model_before_training(shape):
@@ -745,3 +765,16 @@ def test_fit_plans_the_built_in_gemma3_within_15_percent_of_its_measured_peak(tm
     assert done.returncode == 0, done.stderr[-2000:]
     predicted = float(re.search(r"fits: ([\d.]+) GiB predicted", done.stdout).group(1))
     assert predicted == pytest.approx(2.54, rel=0.15)
+
+
+def test_a_bf16_quantized_base_on_the_cpu_adds_half_the_fp32_heap_slack():
+    """The CPU's dequantization slack was measured with fp32 copies; bf16 copies are half the size (SmolLM2-135M,
+    bf16, seq 256, micro-batch 1, QLoRA nf4 with the CLI's defaults: 1.466 GiB measured; planned within 5%)."""
+    shape = M.ModelShape.from_config(M.read_model_config(SMOL))
+    s = M.TrainSetup(seq_len=256, batch_size=1, lora_rank=8, lora_targets=QV, lora_dropout=0.05, precision="bf16",
+                     device_type="cpu", fused_loss=True, quantize_base="nf4", recompute=True)
+    fp32 = M.train_parts(shape, replace(s, precision="fp32"))
+    plain = M.train_parts(shape, replace(s, quantize_base="none"))
+    assert fp32["allocator"] - plain["allocator"] == M.CPU_DEQUANT_SLACK_BYTES[False]
+    assert M.train_parts(shape, s)["allocator"] - plain["allocator"] == M.CPU_DEQUANT_SLACK_BYTES[False] // 2
+    assert sum(M.train_parts(shape, s).values()) / GIB == pytest.approx(1.466, rel=0.05)

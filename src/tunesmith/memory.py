@@ -53,7 +53,9 @@ OFFLOADED_INPUTS = 2
 # A quantized base adds to it: every product dequantizes a weight into fresh memory, forward and backward, and those
 # blocks (a few MiB each) come from glibc's heaps, which keep them. Measured on SmolLM2-135M (docs/MEMORY.md,
 # "Training modes on the CPU"): 0.44-0.79 GiB more than the plan's tensors without checkpointing, 0.1 with it
-# (where the checkpointing slack above already counts 0.28 more).
+# (where the checkpointing slack above already counts 0.28 more). Measured with fp32 copies; a bf16 run's copies
+# are half the size, and so is what the heaps keep of them (SmolLM2-135M, bf16, seq 256, micro-batch 1: 1.466 GiB
+# measured, 1.528 planned with half the slack, 1.778 with all of it; bench/qlora_acceptance.py).
 CPU_DEQUANT_SLACK_BYTES = {False: 512 * 2**20, True: 200 * 2**20}
 
 # Shapes of well-known models, so `fit` can answer offline (hub configs of gated models need a login).
@@ -211,6 +213,7 @@ class TrainSetup:
     strategy: str = "ddp"  # ddp (every GPU the whole model) | fsdp (FSDP2: weights, gradients, moments sharded)
     recompute: bool = False  # --recompute: norms and the gated MLP keep their inputs only (where the model allows)
     base_calibration: int = 0  # --base-calibration: blocks GPTQ calibrates the quantized base on, before training
+    nf4_kernels: bool = False  # the nf4 base's products through tunesmith.kernels.nf4 (CUDA, Triton, fast paths)
 
     @property
     def full(self) -> bool:
@@ -532,7 +535,9 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     }
     if s.quantize_base != "none":  # one layer's weight dequantized at a time, alive while it multiplies
         biggest = max((i * o for i, o in quantized_linears(shape, s.quantize_base).values()), default=0)
-        parts["dequant"] = DEQUANT_COPIES * a * biggest
+        # the nf4 kernels decode in registers, or into one weight-sized buffer cuBLAS multiplies (the faster wins)
+        copies = 1 if s.nf4_kernels and s.quantize_base == "nf4" else DEQUANT_COPIES
+        parts["dequant"] = copies * a * biggest
     if s.fine_tune_type == "dora":
         parts["dora_norm"] = dora_norm_bytes(shape, s)
     if s.world > 1:
@@ -557,7 +562,8 @@ def cpu_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int]) -> dict[s
     out = {"runtime": CPU_RUNTIME_BYTES + CPU_TOKENIZER_BYTES_PER_VOCAB * shape.vocab,
            "allocator": CPU_HEAP_SLACK_BYTES[bool(s.gradient_checkpointing)]}
     if s.quantize_base != "none":
-        out["allocator"] += CPU_DEQUANT_SLACK_BYTES[bool(s.gradient_checkpointing)]
+        copy = 4 if s.precision == "fp32" else 2  # bytes of a dequantized weight: the slack is measured in fp32
+        out["allocator"] += CPU_DEQUANT_SLACK_BYTES[bool(s.gradient_checkpointing)] * copy // 4
     w = 4 if s.precision == "fp32" or s.full else 2
     if shape.saved_bytes and shape.saved_bytes != w and s.quantize_base == "none":
         loading = out["runtime"] + parts["weights"] + shape.params * shape.saved_bytes
@@ -757,6 +763,7 @@ def plan_run(
         num_layers=int(getattr(cfg, "num_layers", 0)), world=max(1, world),
         strategy=getattr(cfg, "strategy", "ddp"), recompute=bool(getattr(cfg, "recompute", True)) and getattr(cfg, "fast_paths", "auto") == "auto",
         base_calibration=int(getattr(cfg, "base_calibration", 0)) if not getattr(cfg, "resume", False) else 0,
+        nf4_kernels=_nf4_kernels(cfg, device),
     )
     p = plan(shape, setup, total, available)
     if auto:
@@ -764,6 +771,14 @@ def plan_run(
             raise TunesmithError(f"--batch-size auto: {verdict(p)}")
         p = plan(shape, replace(setup, batch_size=p.best_batch), total, available)
     return p
+
+
+def _nf4_kernels(cfg, device: torch.device) -> bool:
+    """Whether train takes the nf4 kernels (tunesmith.kernels.nf4's path) for this run."""
+    from tunesmith.kernels.base import triton_available
+
+    return (device.type == "cuda" and getattr(cfg, "fast_paths", "auto") == "auto"
+            and getattr(cfg, "quantize_base", "none") == "nf4" and triton_available())
 
 
 def _process_rss() -> int:

@@ -6,7 +6,8 @@ forward pass and again in the backward pass (the weight's gradient is never need
 PyTorch, so it trains on the CPU, MPS and CUDA alike.
 
 - nf4: torchao's NF4 tensor (`to_nf4`, blocks of 64 with double-quantized scales: the QLoRA recipe torchtune uses)
-  and its autograd-aware `linear_nf4`.
+  and its autograd-aware `linear_nf4`. On CUDA with Triton, `--fast-paths auto` multiplies through
+  `tunesmith.kernels.nf4` instead, which decodes the same weight inside its kernels.
 - int4: symmetric, one fp16 scale per group of 64 inputs, codes packed two per byte.
 - int8: symmetric, one fp16 scale per output row.
 - fp8: float8 e4m3, one fp32 scale per output row, plus the transposed weight scaled per input column. On a CUDA GPU

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, offload, qkv, recompute
+from tunesmith.kernels import compiled, liger, liger_loss, lora, lora_mlp, loss, nf4, offload, qkv, recompute
 from tunesmith.kernels.base import LossFn, Setting
 
 PATHS = (
@@ -26,6 +26,7 @@ PATHS = (
     qkv.PATH,  # q, k, v as one product (+ the RoPE kernel on CUDA)
     lora_mlp.PATH,  # the LoRA-aware MLP (CUDA)
     lora.PATH,  # fused LoRA (eager layers)
+    nf4.PATH,  # the nf4 base's products through Triton (CUDA), before the layers compile around them
     compiled.PATH,  # regional compile, CUDA graphs
     recompute.PATH,  # cheap activations recomputed
     offload.PATH,  # checkpointed layers, inputs offloaded (after compile: it compiles their forwards instead)
