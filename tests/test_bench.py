@@ -33,14 +33,19 @@ def test_the_plain_path_names_only_train_config_fields(tt):
 
 
 def test_checkpointed_rows_take_the_most_memory_saving_setting(tt):
-    # the -ckpt rows: the 1B and 8B rows' shapes, with tunesmith's offloaded checkpointing, a value TrainConfig reads
-    from tunesmith.config import TrainConfig, checkpointing_value
+    # the -ckpt rows: the 1B and 8B rows' shapes, with tunesmith's offloaded checkpointing, a value TrainConfig reads;
+    # the QLoRA row checkpoints the same way over an nf4 base
+    from tunesmith.config import checkpointing_value
 
-    for name, flags in tt.CHECKPOINTED.items():
+    checkpointed = {name: row for name, row in tt.ROWS.items() if row.checkpointing}
+    assert {"llama-1b-ckpt", "llama-8b-ckpt", "llama-8b-qlora"} <= set(checkpointed)
+    for name in ("llama-1b-ckpt", "llama-8b-ckpt"):
         row, plain = tt.ROWS[name], tt.ROWS[name.removesuffix("-ckpt")]
-        assert dataclasses.replace(row, name=plain.name) == plain
-        assert checkpointing_value(flags["gradient_checkpointing"]) == "offload"
-        assert set(flags) <= {f.name for f in dataclasses.fields(TrainConfig)}
+        assert dataclasses.replace(row, name=plain.name, checkpointing=False) == plain
+    qlora = tt.ROWS["llama-8b-qlora"]
+    assert dataclasses.replace(qlora, name="llama-8b", base="bf16", checkpointing=False) == tt.ROWS["llama-8b"]
+    for name in ("llama-1b-ckpt", "llama-8b-ckpt", "llama-8b-qlora"):
+        assert checkpointing_value(checkpointed[name].checkpointing) == "offload"
 
 
 def test_gpu_lines_parse_to_numbers_and_anything_else_to_none(tt):
