@@ -18,6 +18,20 @@ The CUDA default is random weights of the Llama-3.1-8B shape (bench/common.py's 
 train_throughput.py) on seeded random text over its toy tokenizer's 94 characters, skewed so that there is
 something to learn: with random weights both curves start at about ln(vocab), so agreement there says little;
 the CPU run with a real model and real text is the stricter check of the curve.
+
+--kernels: the nf4 base's products on one GPU, tunesmith's kernels (kernels.nf4) against torchao's linear_nf4 and bf16.
+
+    python bench/qlora_acceptance.py --kernels [--rows 8192] [--out nf4-kernels.jsonl]
+
+For each decoder linear of the Llama-3.1-8B shape (random weights quantized to nf4 as `--quantize-base nf4` does),
+at `--rows` tokens in bf16: the forward product x W^T and the input's gradient g W, each through
+- torchao: linear_nf4 (the plain path: the weight dequantized by PyTorch ops, then multiplied);
+- fused: the GEMM kernel that decodes W's tiles in registers;
+- dequantize: the decoding kernel into one buffer, then cuBLAS;
+- bf16: cuBLAS on the dequantized weight held in bf16 (what the products cost with no decoding at all).
+Each its mean time over 20 calls after 3 warm-ups (CUDA events), and the relative error of both kernels against
+torchao's result (max |got - want| / max |want|), which must stay at bf16 rounding. The strategy the op would pick
+(the faster kernel) is marked.
 """
 
 from __future__ import annotations
@@ -72,9 +86,82 @@ def result(proc: subprocess.Popen, out: Path) -> dict:
             fit["predicted_peak_bytes"] / peak, "tokens_per_s": steps[-1].get("tokens_per_s")}
 
 
+SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "o_proj": (4096, 4096), "gate_proj": (14336, 4096),
+          "down_proj": (4096, 14336)}  # name -> (out, in); v_proj is k_proj's shape, up_proj gate_proj's
+
+
+def timed(fn, repeat: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
+def products(x, q, w, parts, fwd: bool, linear_nf4):
+    """The four ways to x W^T (fwd) or x W: torchao, the fused kernel, decode then cuBLAS, bf16 cuBLAS."""
+    from tunesmith.kernels import nf4
+
+    if fwd:
+        ref, plain = (lambda: linear_nf4(x, q)), (lambda: x @ w.t())
+    else:  # what linear_nf4's backward computes: g times the weight dequantized again
+        ref, plain = (lambda: x @ q.to(x.dtype)), (lambda: x @ w)
+    return (ref, lambda: nf4.mm_triton(x, *parts, fwd), lambda: nf4._dequantize_then_mm(x, *parts, transposed=fwd),
+            plain)
+
+
+def kernels(a) -> int:
+    """--kernels: the nf4 base's products, each kernel against torchao and bf16 (see the module's docstring)."""
+    import torch
+
+    from tunesmith.kernels import nf4
+    from tunesmith.qlora import QuantLinear, _torchao_nf4
+
+    _, linear_nf4 = _torchao_nf4()
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, rows {a.rows}, bf16; ms per product")
+    print("| linear | direction | torchao | fused | dequantize | bf16 cuBLAS | picked | err fused | err dequantize |")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|")
+    rows = []
+    for name, (out_f, in_f) in SHAPES.items():
+        layer = QuantLinear.from_weight((torch.randn(out_f, in_f, device="cuda") * 0.02).to(bf16), "nf4")
+        q = layer.qweight
+        parts = (*nf4.nf4_parts(q), out_f, in_f, q.scaler_block_size)
+        w = q.get_original_weight().to(bf16)
+        for direction in ("forward", "input grad"):
+            fwd = direction == "forward"
+            x = torch.randn(a.rows, in_f if fwd else out_f, device="cuda", dtype=bf16)
+            ref, fused, deq, plain = products(x, q, w, parts, fwd, linear_nf4)
+            want = ref().float()
+            errs = {k: ((f().float() - want).abs().max() / want.abs().max()).item()
+                    for k, f in (("fused", fused), ("dequantize", deq))}
+            ms = {k: timed(f) for k, f in (("torchao", ref), ("fused", fused), ("dequantize", deq), ("bf16", plain))}
+            picked = min(("fused", "dequantize"), key=ms.get)
+            row = {"linear": name, "direction": direction, "rows": a.rows, "ms": ms, "errors": errs,
+                   "picked": picked, "gpu": torch.cuda.get_device_name(0)}
+            rows.append(row)
+            print(f"| {name} | {direction} | {ms['torchao']:.3f} | {ms['fused']:.3f} | {ms['dequantize']:.3f} | "
+                  f"{ms['bf16']:.3f} | {picked} | {errs['fused']:.2e} | {errs['dequantize']:.2e} |", flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    worst = max(max(r["errors"].values()) for r in rows)
+    print(f"largest relative error against torchao: {worst:.2e} ({'ok' if worst < 1e-2 else 'TOO LARGE'})")
+    return 0 if worst < 1e-2 else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cuda", "cpu"], required=True)
+    ap.add_argument("--kernels", action="store_true", help="time the nf4 kernels instead (CUDA; see the docstring)")
+    ap.add_argument("--rows", type=int, default=8192, help="--kernels: tokens per product (batch x seq)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--model", default=L8B, help="a KNOWN_CONFIGS shape (random weights) or real:<built-in alias>")
     ap.add_argument("--data", default="", help="a data spec (default: seeded random text over the toy tokenizer)")
     ap.add_argument("--seq", type=int, default=2048)
@@ -82,8 +169,11 @@ def main() -> int:
     ap.add_argument("--budget-gib", type=float, default=16.0)
     ap.add_argument("--parallel", action="store_true", help="both runs at once (peaks are per process)")
     ap.add_argument("--workdir", default="/tmp/tt-bench")
-    ap.add_argument("--out", default="", help="the JSON report (default: <workdir>/qlora-acceptance.json)")
+    ap.add_argument("--out", default="", help="the JSON report (default: <workdir>/qlora-acceptance.json); with "
+                    "--kernels, a JSON Lines file the rows are appended to")
     a = ap.parse_args()
+    if a.kernels:
+        return kernels(a)
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
