@@ -204,6 +204,14 @@ class BatchedLM:
             return (self.head @ x.t()).t().float()
         return self.inner.lm_head(x).float()
 
+    def decode_step(self, ids, positions, slots, adapters, token_rows, length: int) -> Step:
+        """One new token per row at its position, every row's logits wanted, attention over `length` cache
+        positions: the step a decode graph captures (serve.graphs), built only from its static buffers."""
+        keep = torch.arange(length, device=positions.device)[None] <= positions[:, None]
+        return Step(ids=ids, positions=positions, slots=slots, token_slots=slots, token_rows=token_rows,
+                    token_cols=torch.zeros_like(positions), adapters=adapters, mask=keep[:, None, None],
+                    logits_at=None, width=1, length=length, first_slot=None)
+
     def ensure_length(self, length: int) -> None:
         """A cache of at least `length` positions per slot (doubled, up to the context, when it is shorter)."""
         if length > self.keys.shape[2]:

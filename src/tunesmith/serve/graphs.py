@@ -116,13 +116,8 @@ class DecodeGraphs:
     def step(self, batch: int, length: int, lora: bool) -> torch.Tensor:
         """The forward of the first `batch` rows of the static inputs over `length` cache positions: what a graph
         captures (everything it computes is a function of the buffers)."""
-        from tunesmith.serve.batch import Step
-
         ids, positions, slots, adapters = self.inputs[:, :batch]
-        keep = torch.arange(length, device=positions.device)[None] <= positions[:, None]
-        step = Step(ids=ids, positions=positions, slots=slots, token_slots=slots, token_rows=self.rows[:batch],
-                    token_cols=torch.zeros_like(positions), adapters=adapters, mask=keep[:, None, None],
-                    logits_at=None, width=1, length=length, first_slot=None)
+        step = self.lm.decode_step(ids, positions, slots, adapters, self.rows[:batch], length)
         masks = self.lm.masks(adapters) if lora else [None] * len(self.lm.layouts)
         return self.lm.run(step, masks)
 
