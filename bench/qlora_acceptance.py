@@ -29,9 +29,9 @@ at `--rows` tokens in bf16: the forward product x W^T and the input's gradient g
 - fused: the GEMM kernel that decodes W's tiles in registers;
 - dequantize: the decoding kernel into one buffer, then cuBLAS;
 - bf16: cuBLAS on the dequantized weight held in bf16 (what the products cost with no decoding at all).
-Each its mean time over 20 calls after 3 warm-ups (CUDA events), and the relative error of both kernels against
-torchao's result (max |got - want| / max |want|), which must stay at bf16 rounding. The strategy the op would pick
-(the faster kernel) is marked.
+Each its mean time over 20 calls after a warm-up (CUDA events, as the op times its strategies), and the relative
+error of both kernels against torchao's result (max |got - want| / max |want|), which must stay at bf16 rounding.
+The strategy the op would pick (the faster kernel) is marked.
 """
 
 from __future__ import annotations
@@ -90,20 +90,6 @@ SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "o_proj": (4096, 4096)
           "down_proj": (4096, 14336)}  # name -> (out, in); v_proj is k_proj's shape, up_proj gate_proj's
 
 
-def timed(fn, repeat: int = 20) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeat
-
-
 def products(x, q, w, parts, fwd: bool, linear_nf4):
     """The four ways to x W^T (fwd) or x W: torchao, the fused kernel, decode then cuBLAS, bf16 cuBLAS."""
     from tunesmith.kernels import nf4
@@ -142,7 +128,8 @@ def kernels(a) -> int:
             want = ref().float()
             errs = {k: ((f().float() - want).abs().max() / want.abs().max()).item()
                     for k, f in (("fused", fused), ("dequantize", deq))}
-            ms = {k: timed(f) for k, f in (("torchao", ref), ("fused", fused), ("dequantize", deq), ("bf16", plain))}
+            ways = (("torchao", ref), ("fused", fused), ("dequantize", deq), ("bf16", plain))
+            ms = {k: nf4._timed(f, 20) / 20 for k, f in ways}
             picked = min(("fused", "dequantize"), key=ms.get)
             row = {"linear": name, "direction": direction, "rows": a.rows, "ms": ms, "errors": errs,
                    "picked": picked, "gpu": torch.cuda.get_device_name(0)}

@@ -73,6 +73,28 @@ def loss_and_grads(model, batch, seed: int = 0, autocast=None, loss=loss_sum):
     return total.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def kept_loss_grads(model, batch, seed: int = 0, autocast=None):
+    """Bytes the forward saves for backward (parameters excluded; what the backward's recomputation saves is not
+    counted), then `loss_and_grads`'s loss and gradients."""
+    params = {p.data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            kept[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+        total, _ = loss_sum(model, batch)
+    total.backward()
+    return sum(kept.values()), total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                 if p.requires_grad}
+
+
 def install_fake_liger(monkeypatch) -> dict[str, int]:
     """liger_kernel's functional API with eager stand-ins, counting calls (Liger's kernels need CUDA); the model
     file's apply_rotary_pos_emb restored after the test."""

@@ -10,32 +10,12 @@ from tunesmith.kernels import offload
 from tunesmith.kernels.base import Setting
 
 from .conftest import tiny_train_config
-from .kernel_fixtures import eager_aot_compile, lora_pair
+from .kernel_fixtures import eager_aot_compile, kept_loss_grads, lora_pair
 
 
 def _batch(tokenizer, rows=2, seq=24):
     ids = torch.randint(3, len(tokenizer), (rows, seq), generator=torch.Generator().manual_seed(2))
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def _kept_loss_grads(model, batch, seed=0):
-    """Bytes saved for backward by one forward (parameters excluded), the loss and the trainable gradients."""
-    params = {p.data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(t):
-        if t.data_ptr() not in params:
-            kept[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
-        return t
-
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = loss_sum(model, batch)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return sum(kept.values()), loss.detach(), grads
 
 
 @pytest.mark.parametrize("copied", [False, True])
@@ -47,9 +27,9 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients(tokenizer, copied,
     offloader = offload.Offloader(torch.device("cpu"), offload=copied)
     assert offload.checkpoint_layers(ckpt, offloader) == 2
     batch = _batch(tokenizer)
-    plain_kept, plain_loss, plain_grads = _kept_loss_grads(plain, batch)
+    plain_kept, plain_loss, plain_grads = kept_loss_grads(plain, batch)
     for _ in range(2):  # a second step reuses the slots
-        kept, loss, grads = _kept_loss_grads(ckpt, batch)
+        kept, loss, grads = kept_loss_grads(ckpt, batch)
         assert torch.equal(loss, plain_loss)
         assert grads.keys() == plain_grads.keys() and len(grads) == 2 * 7 * 2
         for name in grads:
@@ -141,8 +121,8 @@ def test_the_lora_aware_mlp_skips_its_down_projection_when_recomputed(tokenizer,
     real = lora_mlp.products_sum
     monkeypatch.setattr(lora_mlp, "products_sum", lambda mats, alphas: calls.append(len(mats)) or real(mats, alphas))
     batch = _batch(tokenizer)
-    _, plain_loss, plain_grads = _kept_loss_grads(plain, batch)
-    _, loss, grads = _kept_loss_grads(ckpt, batch)
+    _, plain_loss, plain_grads = kept_loss_grads(plain, batch)
+    _, loss, grads = kept_loss_grads(ckpt, batch)
     assert calls.count(4) == 2  # the down projection: the two layers' forwards; their recomputations skip it
     assert calls.count(6) == 2  # the input's gradient, in each layer's backward
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=0)
@@ -168,8 +148,8 @@ def test_compiled_layers_stay_compiled_and_checkpointed(tokenizer, monkeypatch):
     assert all(layer._compiled_call_impl is None for layer in layers)
     assert all(type(vars(layer)["tunesmith_checkpointed"].run).__name__ != "method" for layer in layers)
     batch = _batch(tokenizer)
-    _, plain_loss, plain_grads = _kept_loss_grads(plain, batch)
-    _, loss, grads = _kept_loss_grads(ckpt, batch)
+    _, plain_loss, plain_grads = kept_loss_grads(plain, batch)
+    _, loss, grads = kept_loss_grads(ckpt, batch)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=0)
     for name in grads:
         torch.testing.assert_close(grads[name], plain_grads[name], rtol=1e-4, atol=1e-6)

@@ -4,11 +4,10 @@ loss and gradients."""
 import pytest
 import torch
 
-from tunesmith.evaluate import loss_sum
 from tunesmith.kernels import liger, recompute
 
 from .conftest import make_model
-from .kernel_fixtures import install_fake_liger, lora_pair
+from .kernel_fixtures import install_fake_liger, kept_loss_grads, lora_pair
 
 
 def _lean_pair(tokenizer, dtype=torch.float32):
@@ -19,31 +18,15 @@ def _lean_pair(tokenizer, dtype=torch.float32):
     return plain, lean
 
 
-def _kept_bytes_loss_grads(model, batch, autocast=False):
-    params = {p.data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(t):
-        if t.data_ptr() not in params:
-            kept[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        loss, _ = loss_sum(model, batch)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return sum(kept.values()), loss.detach(), grads
-
-
 @pytest.mark.parametrize("autocast", [False, True])
 def test_lean_layers_keep_less_and_give_the_same_loss_and_gradients(tokenizer, autocast):
     # bf16 as train runs it: a bf16 base, fp32 LoRA weights, autocast
     plain, lean = _lean_pair(tokenizer, torch.bfloat16 if autocast else torch.float32)
     ids = torch.randint(3, len(tokenizer), (2, 48))
     batch = {"input_ids": ids, "labels": ids.clone()}
-    plain_bytes, plain_loss, plain_grads = _kept_bytes_loss_grads(plain, batch, autocast)
-    lean_bytes, lean_loss, lean_grads = _kept_bytes_loss_grads(lean, batch, autocast)
+    dtype = torch.bfloat16 if autocast else None
+    plain_bytes, plain_loss, plain_grads = kept_loss_grads(plain, batch, autocast=dtype)
+    lean_bytes, lean_loss, lean_grads = kept_loss_grads(lean, batch, autocast=dtype)
     assert torch.equal(lean_loss, plain_loss)  # the forward is the same computation
     assert plain_grads.keys() == lean_grads.keys() and len(plain_grads) == 2 * 7 * 2
     tol = dict(rtol=2e-2, atol=1e-4) if autocast else dict(rtol=1e-4, atol=1e-6)
@@ -65,8 +48,8 @@ def test_lean_norm_gives_the_weight_gradient_of_a_training_norm(tokenizer):
             p.requires_grad_("norm" in name)
     ids = torch.randint(3, len(tokenizer), (2, 48))
     batch = {"input_ids": ids, "labels": ids.clone()}
-    _, _, plain_grads = _kept_bytes_loss_grads(plain, batch)
-    _, _, lean_grads = _kept_bytes_loss_grads(lean, batch)
+    _, _, plain_grads = kept_loss_grads(plain, batch)
+    _, _, lean_grads = kept_loss_grads(lean, batch)
     assert len(plain_grads) == 2 * 2 + 1  # two norms a layer and the final one
     for name in plain_grads:
         torch.testing.assert_close(lean_grads[name], plain_grads[name], rtol=1e-4, atol=1e-6)
