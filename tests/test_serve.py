@@ -270,6 +270,29 @@ def test_batched_logits_are_each_rows_own_forward_with_its_adapter(served_tiny, 
     assert 4 < lm.keys.shape[2] <= 64
 
 
+def test_a_bf16_base_batches_its_float32_adapters_with_the_models_own_logits(tiny_dir, adapters):
+    """PEFT loads a saved adapter as float32 over a bf16 base (as serve on CUDA holds it): the batched forward runs
+    the adapters in the base's dtype and gives each row the model's own logits, to bf16's rounding."""
+    from tunesmith.serve.batch import BatchedLM
+
+    served = load_served(ServeConfig(model=str(tiny_dir), adapter=[f"{n}={p}" for n, p in adapters.items()],
+                                     device="cpu", precision="bf16"))
+    model, tok = served.model, served.tokenizer
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    lm = BatchedLM(model, slots=3, context=64)
+    prompts = [tok(p)["input_ids"] for p in ("ROMEO: But soft", "JULIET:", "First Citizen: Before we proceed")]
+    names = [None, "poet", "clerk"]
+    got = lm.forward([(slot, ids, 0, lm.adapter_index(a)) for slot, ids, a in zip((0, 1, 2), prompts, names,
+                                                                                    strict=True)], [True] * 3)
+    for i, (ids, adapter) in enumerate(zip(prompts, names, strict=True)):
+        ctx = model.disable_adapter() if adapter is None else contextlib.nullcontext(model.set_adapter(adapter))
+        with ctx, torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(got[i].float(), ref, rtol=0, atol=0.1 * ref.abs().max().item())
+        assert got[i].float().argmax() == ref.argmax()
+
+
 def test_a_row_moved_to_a_lower_slot_decodes_on_as_its_own_forward(served_tiny):
     """The engine keeps the running answers in the lowest slots, so that attention reads one block of the cache in
     place: a row moved into a freed slot (over a shorter answer's stale cache) goes on with the logits of the

@@ -63,15 +63,18 @@ class StackedLora:
     """One linear of the model and the LoRA of every adapter over it, stacked by rank; with `kernel`, grouped for
     serve.grouped_lora's kernels instead."""
 
-    def __init__(self, module: torch.nn.Module, adapters: list[str | None], layouts: dict, kernel: bool = False):
+    def __init__(self, module: torch.nn.Module, adapters: list[str | None], layouts: dict, kernel: bool = False,
+                 dtype: torch.dtype = torch.float32):
         self.base = getattr(module, "base_layer", module)
         self.a = self.b = self.grouped = None
         self.layout = -1  # which per-token mask this linear takes (linears with the same adapters share one)
         names = [n for n in adapters if n is not None and n in getattr(module, "lora_A", {})]
         if not names:
             return
-        a = [module.lora_A[n].weight.detach() for n in names]
-        b = [module.lora_B[n].weight.detach() for n in names]
+        # in the model's dtype: PEFT loads a saved adapter as float32 even over a bf16 base (its forward casts
+        # the input to the adapter's dtype each call; the stacked forward casts the adapter once, here)
+        a = [module.lora_A[n].weight.detach().to(dtype) for n in names]
+        b = [module.lora_B[n].weight.detach().to(dtype) for n in names]
         if kernel:
             self.grouped = grouped_lora.grouped(a, b, [module.scaling[n] for n in names])
         else:
@@ -129,7 +132,9 @@ class BatchedLM:
         self.inner, self.config = inner, inner.config
         self.adapters: list[str | None] = [None, *getattr(model, "peft_config", {})]
         layouts: dict = {}
-        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts, lora_kernel) for n in LINEARS]
+        dtype = inner.get_input_embeddings().weight.dtype  # the hidden state's dtype (a 4-bit base's too)
+        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts, lora_kernel, dtype)
+                        for n in LINEARS]
                        for layer in inner.model.layers]
         # per layout, what a token's adapter index gathers: its mask's row (stacked), or its place (grouped)
         self.layouts = [per_adapter for _, per_adapter in sorted(layouts.values(), key=lambda v: v[0])]
