@@ -40,6 +40,32 @@ def test_the_lora_aware_mlp_gives_peft_s_loss_and_gradients(tokenizer, rank):
         assert err16 < max(2 * ref_err16, 1e-2), name
 
 
+def test_over_an_nf4_base_the_mlp_multiplies_through_the_nf4_op_and_gives_peft_s_gradients(tokenizer, monkeypatch):
+    """QLoRA's MLPs take the LoRA-aware function too: each base product (forward, the input's gradient) goes
+    through the nf4 kernels' op, no base weight is dequantized whole, and loss and LoRA gradients are PEFT's over
+    the same nf4 layers."""
+    from tunesmith.kernels import nf4
+    from tunesmith.qlora import QuantLinear
+
+    from .kernel_fixtures import qlora_model
+
+    plain, fast = qlora_model(tokenizer, dtype=torch.float32), qlora_model(tokenizer, dtype=torch.float32)
+    assert lora_mlp.fuse_mlp(fast) == 2
+    batch = make_batch(tokenizer)
+    ref_loss, ref = loss_and_grads(plain, batch)
+    products = []
+    real_mm = nf4.nf4_mm
+    monkeypatch.setattr(nf4, "nf4_mm", lambda x, *a: products.append(a[-1]) or real_mm(x, *a))
+    monkeypatch.setattr(QuantLinear, "dequantize", lambda *a, **k: pytest.fail("a base dequantized whole"))
+    got_loss, got = loss_and_grads(fast, batch)  # (the attentions' nf4 layers: torchao's linear_nf4, in fp32)
+    # per MLP, forward: gate, up, down (x W^T); backward: down, then gate and up for the input's gradient (x W)
+    assert products == [True, True, True] * 2 + [False, False, False] * 2
+    assert got_loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert set(got) == set(ref) and len(ref) == 28
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
 def test_the_lora_aware_mlp_is_what_runs_and_gives_way_where_it_does_not_apply(tokenizer, monkeypatch):
     plain, fast = lora_pair(tokenizer)
     lora_mlp.fuse_mlp(fast)
@@ -184,7 +210,7 @@ def test_the_lora_aware_mlp_skips_the_input_gradient_where_none_is_asked_for():
     grads, flops = [], []
     for needs in (True, False):
         xin = x.clone().requires_grad_(needs)
-        y = lora_mlp.LoraMLPFunction.apply(xin, *weights, *lora, 0.5, 2.0, 1.5)
+        y = lora_mlp.LoraMLPFunction.apply(xin, *lora, 0.5, 2.0, 1.5, False, ((), (), ()), *weights)
         with FlopCounterMode(display=False) as count:
             got = torch.autograd.grad(y.sum(), [xin, *lora] if needs else lora)
         grads.append(got[-len(lora):])

@@ -152,6 +152,8 @@ for dtype in (torch.float32, torch.float16):
         parts = (*nf4.nf4_parts(q), out_f, in_f, q.scaler_block_size)
         ref = q.get_original_weight()
         assert torch.equal(nf4.dequantize_triton(*parts, dtype), ref)
+        joined = nf4.joined_weight([*nf4.nf4_parts(q)] * 2, [out_f, in_f, q.scaler_block_size] * 2, dtype)
+        assert torch.equal(joined, torch.cat([ref, ref]))  # each decoded into its rows of one buffer
         x, g = torch.randn(m, in_f).to(dtype), torch.randn(m, out_f).to(dtype)
         for tiles in ((32, 32, 64, 2, 4, 1), (16, 64, 32, 1, 4, 1)):
             y = nf4.mm_triton(x, *parts, True, tiles)
@@ -220,9 +222,9 @@ def test_the_kernels_compile_for_ampere_and_hopper(arch, transposed):
     src = ASTSource(nf4._mm_kernel, signature, {(names.index(n),): v for n, v in consts.items()})
     built = compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
     assert built.asm["cubin"] and built.metadata.shared <= 228 * 1024
-    rows, cols, dwarps = nf4.DEQUANT_TILES
+    nb, dwarps = nf4.DEQUANT_TILES
     names = nf4._dequant_kernel.arg_names
-    consts = {"BLOCK_R": rows, "BLOCK_C": cols}
+    consts = {"NB": nb}
     signature = {n: "constexpr" if n in consts else {**types, "W": "*bf16"}.get(n, "i32") for n in names}
     src = ASTSource(nf4._dequant_kernel, signature, {(names.index(n),): v for n, v in consts.items()})
     assert compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": dwarps}).asm["cubin"]

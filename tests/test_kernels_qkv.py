@@ -45,6 +45,47 @@ def test_fused_qkv_gives_peft_s_loss_and_gradients(tokenizer, targets, rope_kern
         assert F.cosine_similarity(got[name].flatten(), ref[name].flatten(), dim=0) > 0.99, name
 
 
+@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "v_proj")])
+def test_over_an_nf4_base_fused_qkv_decodes_the_three_weights_for_one_product(tokenizer, targets, monkeypatch):
+    """QLoRA's attentions take fused q/k/v too: the three nf4 weights (k's without an adapter too) decoded into
+    one buffer for one product forward and one backward (nf4.nf4_joined_mm), never dequantized whole by the
+    layers, and loss and LoRA gradients are PEFT's over the same nf4 layers; undone, the codes are untouched."""
+    from tunesmith.kernels import nf4
+    from tunesmith.lora import attach_lora
+    from tunesmith.qlora import QuantLinear, quantize_base
+
+    from .conftest import make_model
+
+    def model():
+        m = attach_lora(quantize_base(make_model(tokenizer).float(), "nf4"), rank=4, alpha=8, dropout=0.0,
+                        targets=list(targets))
+        torch.manual_seed(1)
+        for name, p in m.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+        return m
+
+    plain, fast = model(), model()
+    assert qkv.fuse_qkv(fast) == 2 and not hasattr(_attn(fast), "tunesmith_qkv_weight")
+    codes = qkv._holder(_attn(fast).k_proj).qweight.quantized_data.clone()
+    batch = make_batch(tokenizer)
+    ref_loss, ref = loss_and_grads(plain, batch)
+    joined, real = [], nf4.nf4_joined_mm
+    monkeypatch.setattr(nf4, "nf4_joined_mm", lambda x, p, z, t: joined.append((len(p), t)) or real(x, p, z, t))
+    with monkeypatch.context() as patch:
+        patch.setattr(QuantLinear, "dequantize", lambda *a, **k: pytest.fail("a base dequantized whole"))
+        got_loss, got = loss_and_grads(fast, batch)
+    # each layer's forward, then the input's gradient of the second (the first's input is the frozen embedding's)
+    assert joined == [(15, True)] * 2 + [(15, False)]
+    assert got_loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert set(got) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-3, atol=1e-5, msg=name)
+    qkv.unfuse_qkv(fast)
+    assert "forward" not in _attn(fast).__dict__ and not hasattr(_attn(fast), "tunesmith_qkv_names")
+    assert torch.equal(qkv._holder(_attn(fast).k_proj).qweight.quantized_data, codes)
+
+
 def test_fused_qkv_is_what_runs_and_gives_way_where_it_does_not_apply(tokenizer, monkeypatch):
     plain, fast = lora_pair(tokenizer)
     qkv.fuse_qkv(fast)

@@ -115,33 +115,62 @@ def restore_all(model: torch.nn.Module, owner: str) -> int:
     return sum(restore_forward(m, owner) for m in model.modules())
 
 
-def lora_name(layer) -> str | None:
+def nf4_base(base) -> bool:
+    """Whether `base` is a frozen nf4 QuantLinear (QLoRA's) whose products the nf4 kernels take: blocks of 64
+    within its rows (kernels.nf4)."""
+    return (type(base).__name__ == "QuantLinear" and getattr(base, "scheme", None) == "nf4"
+            and base.in_features % 64 == 0)
+
+
+def lora_name(layer, nf4: bool = False) -> str | None:
     """The adapter's name if `layer` is a PEFT LoRA linear computing base(x) + s B A dropout(x) plainly: one active
-    adapter (not disabled or merged), no DoRA or other variant, no LoRA bias, a frozen torch Linear under it; else
-    None. What the LoRA paths may compute in their own way."""
+    adapter (not disabled or merged), no DoRA or other variant, no LoRA bias, a frozen torch Linear under it (or,
+    with `nf4`, a frozen nf4 base: `nf4_base`); else None. What the LoRA paths may compute in their own way."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     if type(layer) is not LoraLinear or layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
         return None
     name, base = layer.active_adapters[0], layer.base_layer
+    frozen = (nf4 and nf4_base(base)) or (type(base) is torch.nn.Linear and not base.weight.requires_grad)
     if (name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name)
             or type(layer.lora_A[name]) is not torch.nn.Linear or layer.lora_B[name].bias is not None
-            or type(base) is not torch.nn.Linear or base.weight.requires_grad
-            or (base.bias is not None and base.bias.requires_grad)):
+            or not frozen or (base.bias is not None and base.bias.requires_grad)):
         return None
     return name
 
 
-def plain_lora(layer) -> str | None:
-    """The adapter name if `layer` is plain LoRA (`lora_name`) with no dropout over a bias-free base, whose output
-    is base(x) + s B A x exactly; else None."""
-    name = lora_name(layer)
+def plain_lora(layer, nf4: bool = False) -> str | None:
+    """The adapter name if `layer` is plain LoRA (`lora_name`, over an nf4 base too with `nf4`) with no dropout over
+    a bias-free base, whose output is base(x) + s B A x exactly; else None."""
+    name = lora_name(layer, nf4)
     if name is None or layer.base_layer.bias is not None:
         return None
     dropout = layer.lora_dropout[name]
     if not (isinstance(dropout, torch.nn.Identity) or (type(dropout) is torch.nn.Dropout and dropout.p == 0)):
         return None
     return name
+
+
+def frozen_base(base, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """A frozen bias-free base as the fused LoRA paths multiply by it (`base_mm`): ((its weight in `dtype`,), ())
+    for a torch Linear; (its nf4 tensors, (out, in, scaler block)) for an nf4 base (`nf4_base`), never
+    dequantized whole here."""
+    if nf4_base(base):
+        from tunesmith.kernels.nf4 import nf4_parts
+
+        q = base.qweight
+        return nf4_parts(q), (base.out_features, base.in_features, q.scaler_block_size)
+    return (base.weight.to(dtype),), ()
+
+
+def base_mm(x: torch.Tensor, parts: tuple[torch.Tensor, ...], sizes: tuple[int, ...], transposed: bool) -> torch.Tensor:
+    """x W^T (`transposed`: x [m, in]) or x W (x [m, out]) for a frozen base given as `frozen_base` gives it: an
+    nf4 base's through the nf4 kernels' op (kernels.nf4.nf4_mm), in x's dtype."""
+    if sizes:
+        from tunesmith.kernels.nf4 import nf4_mm
+
+        return nf4_mm(x, *parts, *sizes, transposed)
+    return x @ parts[0].t() if transposed else x @ parts[0]
 
 
 def compute_dtype(x: torch.Tensor, module: torch.nn.Module) -> torch.dtype | None:

@@ -23,7 +23,16 @@ import functools
 
 import torch
 
-from tunesmith.kernels.base import Setting, plain_lora, replace_forward, restore_forward, triton_available
+from tunesmith.kernels.base import (
+    Setting,
+    base_mm,
+    frozen_base,
+    nf4_base,
+    plain_lora,
+    replace_forward,
+    restore_forward,
+    triton_available,
+)
 from tunesmith.kernels.products import products_sum
 
 try:
@@ -314,38 +323,62 @@ def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
 
 
 class LoraMLPFunction(torch.autograd.Function):
-    """y = down(SiLU(gate(x)) * up(x)) for frozen bias-free gate/up/down weights, each with a LoRA adapter at
+    """y = down(SiLU(gate(x)) * up(x)) for frozen bias-free gate/up/down bases, each with a LoRA adapter at
     dropout 0: gate(x) = x W_g^T + s_g (x A_g^T) B_g^T, and so on. Inputs in the compute dtype; `agu` is
-    [A_g; A_u], so x is read once for both down-projections. Keeps x, the base products of gate and up, the
-    [tokens, r] down-projections and the weights: not the SwiGLU output (the backward kernel rebuilds it) nor any
-    sum with a rank-r term."""
+    [A_g; A_u], so x is read once for both down-projections. Each base comes as `base.frozen_base` gives it
+    (`sizes`: one entry per base, () for a weight, its sizes for an nf4 base; `weights`: their tensors in turn), so
+    a QLoRA MLP's products run through the nf4 kernels and no dequantized weight is kept. Keeps x, the base
+    products of gate and up, the [tokens, r] down-projections and the bases: not the SwiGLU output (the backward
+    kernel rebuilds it) nor any sum with a rank-r term."""
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, agu, bg, bu, ad, bd, sg: float, su: float, sd: float, unused: bool = False):
-        g0, u0 = x @ wg.t(), x @ wu.t()
+    def forward(ctx, x, agu, bg, bu, ad, bd, sg: float, su: float, sd: float, unused: bool, sizes: tuple,
+                *weights):
+        (pg, pu, pd), (zg, zu, zd) = _bases(weights, sizes), sizes
+        g0, u0 = base_mm(x, pg, zg, True), base_mm(x, pu, zu, True)
         xa = x @ agu.t()
         h, ha = lora_swiglu(g0, u0, xa, bg, bu, ad, sg, su)
         # unused: a checkpointed layer's recomputation, which needs only what backward keeps, not the output (its
         # backward reads none of it): the down projection's product, a third of the MLP's, is skipped
-        y = x.new_zeros(x.shape[0], wd.shape[0]) if unused else products_sum([h, wd.t(), ha, bd.t()], [1.0, sd])
-        ctx.save_for_backward(x, g0, u0, xa, ha, wg, wu, wd, agu, bg, bu, ad, bd)
-        ctx.scales = (sg, su, sd)
+        if unused:
+            y = x.new_zeros(x.shape[0], zd[0] if zd else pd[0].shape[0])
+        elif zd:
+            y = base_mm(h, pd, zd, True).addmm_(ha, bd.t(), alpha=sd)
+        else:
+            y = products_sum([h, pd[0].t(), ha, bd.t()], [1.0, sd])
+        ctx.save_for_backward(x, g0, u0, xa, ha, agu, bg, bu, ad, bd, *weights)
+        ctx.scales, ctx.sizes = (sg, su, sd), sizes
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, g0, u0, xa, ha, wg, wu, wd, agu, bg, bu, ad, bd = ctx.saved_tensors
+        x, g0, u0, xa, ha, agu, bg, bu, ad, bd, *weights = ctx.saved_tensors
         sg, su, sd = ctx.scales
+        (pg, pu, pd), (zg, zu, zd) = _bases(weights, ctx.sizes), ctx.sizes
         r = bg.shape[1]
         dy = dy.contiguous()
         dyb = dy @ bd
         dbd = (dy.t() @ ha).mul_(sd)
-        dg, du, dad, dxa = lora_swiglu_backward(dy @ wd, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
+        dg, du, dad, dxa = lora_swiglu_backward(base_mm(dy, pd, zd, False), dyb, ad, g0, u0, xa, bg, bu, sg, su, sd)
         dbg = (dg.t() @ xa[:, :r]).mul_(sg)
         dbu = (du.t() @ xa[:, r:]).mul_(su)
-        dx = products_sum([dg, wg, du, wu, dxa, agu], [1.0, 1.0, 1.0]) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0] and (zg or zu):
+            dx = base_mm(dg, pg, zg, False).add_(base_mm(du, pu, zu, False)).addmm_(dxa, agu)
+        elif ctx.needs_input_grad[0]:
+            dx = products_sum([dg, pg[0], du, pu[0], dxa, agu], [1.0, 1.0, 1.0])
         dagu = dxa.t() @ x
-        return dx, None, None, None, dagu, dbg, dbu, dad, dbd, None, None, None, None
+        return dx, dagu, dbg, dbu, dad, dbd, None, None, None, None, None, *(None for _ in weights)
+
+
+def _bases(weights: tuple, sizes: tuple) -> list[tuple]:
+    """`weights` cut into each base's tensors: one for a weight, nf4_parts' five for an nf4 base."""
+    out, i = [], 0
+    for size in sizes:
+        n = 5 if size else 1
+        out.append(tuple(weights[i:i + n]))
+        i += n
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the path
@@ -363,15 +396,22 @@ def _mlp_parts(module) -> list[str] | None:
     if not all(hasattr(module, p) for p in MLP) or getattr(getattr(module, "config", None), "hidden_act", None) != "silu":
         return None
     layers = [getattr(module, p) for p in MLP]
-    names = [plain_lora(layer) for layer in layers]
+    names = [plain_lora(layer, nf4=True) for layer in layers]
     if any(n is None for n in names):
         return None
     ranks = {layer.lora_A[n].weight.shape[0] for layer, n in zip(layers, names, strict=True)}
     if len(ranks) != 1 or ranks.pop() > MLP_MAX_RANK:
         return None
-    if len({(layer.base_layer.weight.dtype, layer.base_layer.weight.device) for layer in layers}) != 1:
+    if len({_base_kind(layer.base_layer) for layer in layers}) != 1:
         return None
     return names
+
+
+def _base_kind(base) -> tuple:
+    """(dtype or "nf4", device): what the three bases must share (an nf4 base is never dequantized to ask)."""
+    if nf4_base(base):
+        return "nf4", base.qweight.device
+    return base.weight.dtype, base.weight.device
 
 
 def _forward(self, x):
@@ -391,12 +431,12 @@ def _forward(self, x):
     gate, up, down = (getattr(self, p) for p in MLP)
     ng, nu, nd = names
     agu = torch.cat([gate.lora_A[ng].weight, up.lora_A[nu].weight]).to(dtype)
-    y = LoraMLPFunction.apply(x.reshape(-1, x.shape[-1]).to(dtype), gate.base_layer.weight.to(dtype),
-                              up.base_layer.weight.to(dtype), down.base_layer.weight.to(dtype), agu,
-                              gate.lora_B[ng].weight.to(dtype), up.lora_B[nu].weight.to(dtype),
-                              down.lora_A[nd].weight.to(dtype), down.lora_B[nd].weight.to(dtype),
-                              float(gate.scaling[ng]), float(up.scaling[nu]), float(down.scaling[nd]),
-                              _output_unused)
+    bases = [frozen_base(layer.base_layer, dtype) for layer in (gate, up, down)]
+    y = LoraMLPFunction.apply(x.reshape(-1, x.shape[-1]).to(dtype), agu, gate.lora_B[ng].weight.to(dtype),
+                              up.lora_B[nu].weight.to(dtype), down.lora_A[nd].weight.to(dtype),
+                              down.lora_B[nd].weight.to(dtype), float(gate.scaling[ng]), float(up.scaling[nu]),
+                              float(down.scaling[nd]), _output_unused, tuple(size for _, size in bases),
+                              *(t for parts, _ in bases for t in parts))
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

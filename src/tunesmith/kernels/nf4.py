@@ -31,7 +31,7 @@ except ImportError:  # the CPU wheels of torch come without Triton; the PyTorch 
 
 BLOCK = 64  # weights per scale (torchao's and the QLoRA paper's block)
 FUSED_TILES = (128, 128, 64, 8, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages
-DEQUANT_TILES = (32, 256, 4)  # rows, columns, warps
+DEQUANT_TILES = (64, 4)  # blocks of 64 weights per program, warps
 STRATEGIES = ("fused", "dequantize")
 CHOICE: dict[tuple, str] = {}  # (shape key) -> the strategy timed fastest on this GPU
 FORCE: str | None = None  # tests and benchmarks: one strategy throughout (None: timed)
@@ -86,13 +86,21 @@ if triton is not None:
         return tl.join(hi, lo).reshape(R, C)
 
     @triton.jit
-    def _dequant_kernel(Q, QS, QF, LUT, MEAN, W, N, K, SB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c0 = tl.program_id(1) * BLOCK_C
-        w = _decode(Q, QS, QF, LUT, MEAN, rows, c0, K, SB, rows < N, BLOCK_R, BLOCK_C)
-        cols = c0 + tl.arange(0, BLOCK_C)
-        tl.store(W + rows[:, None].to(tl.int64) * K + cols[None, :], w.to(W.dtype.element_ty),
-                 mask=(rows < N)[:, None] & (cols < K)[None, :])
+    def _dequant_kernel(Q, QS, QF, LUT, MEAN, W, BLOCKS, SB, NB: tl.constexpr):
+        """NB blocks of 64 weights of the flattened weight per program, each block's scale computed once (the
+        weight's rows hold whole blocks: the flat order is the [out, in] order)."""
+        dt = QF.dtype.element_ty
+        b = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB)
+        live = b < BLOCKS
+        q = tl.load(QS + b, mask=live, other=0).to(tl.float32)
+        f = tl.load(QF + b // SB, mask=live, other=1.0).to(tl.float32)
+        mean = tl.load(MEAN).to(tl.float32)
+        s = (tl.math.div_rn(q, f).to(dt).to(tl.float32) + mean).to(dt).to(tl.float32)[:, None]
+        packed = tl.load(Q + b[:, None] * 32 + tl.arange(0, 32)[None, :], mask=live[:, None], other=0).to(tl.int32)
+        hi = (tl.load(LUT + (packed >> 4)).to(tl.float32) * s).to(dt)
+        lo = (tl.load(LUT + (packed & 15)).to(tl.float32) * s).to(dt)
+        w = tl.join(hi, lo).reshape(NB, 64)
+        tl.store(W + b[:, None] * 64 + tl.arange(0, 64)[None, :], w.to(W.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
     def _mm_kernel(X, Q, QS, QF, LUT, MEAN, Y, M, N, K, KW, SB, stride_x, stride_y, TRANSPOSED: tl.constexpr,
@@ -130,13 +138,14 @@ def _options(warps: int, stages: int | None = None) -> dict:
 
 
 def dequantize_triton(codes, scales, factors, mean, levels, out_features: int, in_features: int, scaler_block: int,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """The weight [out, in] in `dtype`, decoded by one Triton kernel (the reference's values, cast to `dtype`)."""
-    rows, cols, warps = DEQUANT_TILES
-    w = torch.empty(out_features, in_features, dtype=dtype, device=codes.device)
-    grid = (triton.cdiv(out_features, rows), triton.cdiv(in_features, cols))
-    _dequant_kernel[grid](codes, scales, factors, levels, mean, w, out_features, in_features, scaler_block,
-                          BLOCK_R=rows, BLOCK_C=cols, **_options(warps))
+                      dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight [out, in] in `dtype`, decoded by one Triton kernel (the reference's values, cast to `dtype`);
+    into `out` (contiguous [out, in]) where given."""
+    nb, warps = DEQUANT_TILES
+    w = torch.empty(out_features, in_features, dtype=dtype, device=codes.device) if out is None else out
+    blocks = out_features * in_features // BLOCK
+    _dequant_kernel[(triton.cdiv(blocks, nb),)](codes, scales, factors, levels, mean, w, blocks, scaler_block,
+                                                NB=nb, **_options(warps))
     return w
 
 
@@ -228,6 +237,51 @@ def _backward(ctx, grad):
 
 
 nf4_mm.register_autograd(_backward, setup_context=_setup)
+
+
+def joined_weight(parts: list[torch.Tensor], sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The row-concatenation [sum of outs, in] in `dtype` of several nf4 weights of one in_features: each weight's
+    five tensors (nf4_parts) in turn in `parts`, its (out, in, scaler_block) in `sizes`. On CUDA each is decoded
+    by the Triton kernel straight into its rows of one buffer."""
+    weights = [(parts[5 * i:5 * i + 5], sizes[3 * i:3 * i + 3]) for i in range(len(sizes) // 3)]
+    if not _use_triton(parts[0]):
+        return torch.cat([dequantize_reference(*p, *z).to(dtype) for p, z in weights])
+    w = torch.empty(sum(z[0] for _, z in weights), sizes[1], dtype=dtype, device=parts[0].device)
+    row = 0
+    for p, z in weights:
+        dequantize_triton(*p, *z, dtype, out=w[row:row + z[0]])
+        row += z[0]
+    return w
+
+
+@torch.library.custom_op("tunesmith::nf4_joined_mm", mutates_args=())
+def nf4_joined_mm(x: torch.Tensor, parts: list[torch.Tensor], sizes: list[int], transposed: bool) -> torch.Tensor:
+    """x W^T (`transposed`: x [m, in]) or x W (x [m, sum of outs]) for W the row-concatenation of several nf4
+    weights (`joined_weight`): decoded into one buffer, then one product (fused q/k/v over an nf4 base). The
+    buffer lives only for the product: the backward pass decodes again."""
+    w = joined_weight(parts, sizes, x.dtype)
+    x = x.contiguous()
+    return x @ w.t() if transposed else x @ w
+
+
+@nf4_joined_mm.register_fake
+def _(x, parts, sizes, transposed):
+    return x.new_empty(x.shape[0], sum(sizes[0::3]) if transposed else sizes[1])
+
+
+def _joined_setup(ctx, inputs, output):
+    _, parts, sizes, transposed = inputs
+    ctx.save_for_backward(*parts)
+    ctx.sizes, ctx.transposed = sizes, transposed
+
+
+def _joined_backward(ctx, grad):
+    grad_x = (nf4_joined_mm(grad, list(ctx.saved_tensors), ctx.sizes, not ctx.transposed)
+              if ctx.needs_input_grad[0] else None)
+    return grad_x, [None] * len(ctx.saved_tensors), None, None
+
+
+nf4_joined_mm.register_autograd(_joined_backward, setup_context=_joined_setup)
 
 
 # ------------------------------------------------------------------------------------------------ the path

@@ -11,14 +11,16 @@ import sys
 
 import torch
 
-from tunesmith.kernels.base import Setting, plain_lora, replace_forward, restore_forward
+from tunesmith.kernels.base import Setting, nf4_base, plain_lora, replace_forward, restore_forward
 
 QKV = ("q_proj", "k_proj", "v_proj")
 ROPE_ON_CPU = False  # tests: rope_qkv's PyTorch reference on the CPU
 
 
 def _frozen_linear(layer) -> bool:
-    return type(layer) is torch.nn.Linear and layer.bias is None and not layer.weight.requires_grad
+    """A frozen bias-free torch Linear, or nf4 base (QLoRA's, `base.nf4_base`) of a projection with no adapter."""
+    return layer.bias is None and (nf4_base(layer) or (type(layer) is torch.nn.Linear
+                                                       and not layer.weight.requires_grad))
 
 
 def _qkv_parts(module) -> list[str | None] | None:
@@ -27,8 +29,10 @@ def _qkv_parts(module) -> list[str | None] | None:
     if not all(hasattr(module, p) for p in QKV):
         return None
     layers = [getattr(module, p) for p in QKV]
-    names = [plain_lora(layer) for layer in layers]
+    names = [plain_lora(layer, nf4=True) for layer in layers]
     if not any(names) or any(n is None and not _frozen_linear(layer) for n, layer in zip(names, layers, strict=True)):
+        return None
+    if len({nf4_base(_holder(layer)) for layer in layers}) != 1:  # all three nf4, or none
         return None
     return names
 
@@ -53,14 +57,21 @@ def _forward(self, hidden_states, position_embeddings=None, attention_mask=None,
     layers = [getattr(self, p) for p in QKV]
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     a = torch.cat([layer.lora_A[n].weight for layer, n in zip(layers, names, strict=True) if n])
-    b = torch.block_diag(*[layer.lora_B[n].weight * layer.scaling[n] if n else
-                           layer.weight.new_zeros(layer.weight.shape[0], 0)
-                           for layer, n in zip(layers, names, strict=True)])
+    b = torch.block_diag(*[layer.lora_B[n].weight * layer.scaling[n] if n else a.new_zeros(size, 0)
+                           for layer, n, size in zip(layers, names, self.tunesmith_qkv_sizes, strict=True)])
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     xa = torch.nn.functional.linear(x, a)
-    # x W^T + (x A^T) B^T, the second product added into the first in place (torch.addmm would copy the first)
-    qkv = products_sum([x.to(dtype), self.tunesmith_qkv_weight.to(dtype).t(), xa.to(dtype), b.to(dtype).t()],
-                       [1.0, 1.0])
+    if "tunesmith_qkv_weight" in self._buffers:
+        # x W^T + (x A^T) B^T, the second product added into the first in place (torch.addmm would copy the first)
+        qkv = products_sum([x.to(dtype), self.tunesmith_qkv_weight.to(dtype).t(), xa.to(dtype), b.to(dtype).t()],
+                           [1.0, 1.0])
+    else:  # an nf4 base: the three weights decoded into one buffer for one product, forward and backward
+        from tunesmith.kernels.nf4 import nf4_joined_mm, nf4_parts
+
+        holders = [_holder(layer) for layer in layers]
+        parts = [t for h in holders for t in nf4_parts(h.qweight)]
+        sizes = [n for h in holders for n in (h.out_features, h.in_features, h.qweight.scaler_block_size)]
+        qkv = nf4_joined_mm(x.to(dtype), parts, sizes, True).addmm_(xa.to(dtype), b.to(dtype).t())
     cos, sin = position_embeddings
     module = sys.modules[type(self).__module__]  # the model file's own RoPE and eager attention (Liger may patch it)
     if _rope_kernel(qkv, hidden_states, cos, module, self.tunesmith_qkv_sizes, self.head_dim):
@@ -98,7 +109,8 @@ def _rope_kernel(qkv, hidden_states, cos, module, sizes, head_dim) -> bool:
 
 
 def _holder(layer) -> torch.nn.Linear:
-    return layer if type(layer) is torch.nn.Linear else layer.base_layer
+    """A projection's frozen base: the layer itself, or the base under its LoRA."""
+    return layer.base_layer if hasattr(layer, "base_layer") else layer
 
 
 def fuse_qkv(model: torch.nn.Module) -> int:
@@ -111,6 +123,12 @@ def fuse_qkv(model: torch.nn.Module) -> int:
         if names is None:
             continue
         holders = [_holder(getattr(module, p)) for p in QKV]
+        if nf4_base(holders[0]):  # QLoRA: the codes stay as they are; the forward joins the decoded weights
+            module.tunesmith_qkv_sizes = [h.out_features for h in holders]
+            module.tunesmith_qkv_names = names
+            replace_forward(module, _forward, FusedQkv.name)
+            count += 1
+            continue
         weights = [h.weight for h in holders]
         if len({(w.dtype, w.device) for w in weights}) != 1:
             continue
@@ -128,12 +146,14 @@ def fuse_qkv(model: torch.nn.Module) -> int:
 def unfuse_qkv(model: torch.nn.Module) -> torch.nn.Module:
     """What `fuse_qkv` did, undone: the model's own attention forward, each weight its own tensor again."""
     for module in model.modules():
-        if "tunesmith_qkv_weight" not in getattr(module, "_buffers", {}):
+        if "tunesmith_qkv_names" not in vars(module):
             continue
-        for p in QKV:
-            holder = _holder(getattr(module, p))
-            holder.weight = torch.nn.Parameter(holder.weight.detach().clone(), requires_grad=False)
-        del module.tunesmith_qkv_weight, module.tunesmith_qkv_sizes, module.tunesmith_qkv_names
+        if "tunesmith_qkv_weight" in module._buffers:
+            for p in QKV:
+                holder = _holder(getattr(module, p))
+                holder.weight = torch.nn.Parameter(holder.weight.detach().clone(), requires_grad=False)
+            del module.tunesmith_qkv_weight
+        del module.tunesmith_qkv_sizes, module.tunesmith_qkv_names
         restore_forward(module, FusedQkv.name)
     return model
 
