@@ -151,28 +151,6 @@ def plain_lora(layer, nf4: bool = False) -> str | None:
     return name
 
 
-def frozen_base(base, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """A frozen bias-free base as the fused LoRA paths multiply by it (`base_mm`): ((its weight in `dtype`,), ())
-    for a torch Linear; (its nf4 tensors, (out, in, scaler block)) for an nf4 base (`nf4_base`), never
-    dequantized whole here."""
-    if nf4_base(base):
-        from tunesmith.kernels.nf4 import nf4_parts
-
-        q = base.qweight
-        return nf4_parts(q), (base.out_features, base.in_features, q.scaler_block_size)
-    return (base.weight.to(dtype),), ()
-
-
-def base_mm(x: torch.Tensor, parts: tuple[torch.Tensor, ...], sizes: tuple[int, ...], transposed: bool) -> torch.Tensor:
-    """x W^T (`transposed`: x [m, in]) or x W (x [m, out]) for a frozen base given as `frozen_base` gives it: an
-    nf4 base's through the nf4 kernels' op (kernels.nf4.nf4_mm), in x's dtype."""
-    if sizes:
-        from tunesmith.kernels.nf4 import nf4_mm
-
-        return nf4_mm(x, *parts, *sizes, transposed)
-    return x @ parts[0].t() if transposed else x @ parts[0]
-
-
 def compute_dtype(x: torch.Tensor, module: torch.nn.Module) -> torch.dtype | None:
     """The dtype a replaced forward computes in: autocast's, else the one dtype of the input and the module's
     parameters; None where they are mixed outside autocast (the module's own forward handles that)."""

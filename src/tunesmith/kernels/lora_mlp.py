@@ -25,14 +25,13 @@ import torch
 
 from tunesmith.kernels.base import (
     Setting,
-    base_mm,
-    frozen_base,
     nf4_base,
     plain_lora,
     replace_forward,
     restore_forward,
     triton_available,
 )
+from tunesmith.kernels.nf4 import base_mm, frozen_base
 from tunesmith.kernels.products import products_sum
 
 try:
@@ -325,7 +324,7 @@ def _(dh0, dyb, ad, g0, u0, xa, bg, bu, sg, su, sd):
 class LoraMLPFunction(torch.autograd.Function):
     """y = down(SiLU(gate(x)) * up(x)) for frozen bias-free gate/up/down bases, each with a LoRA adapter at
     dropout 0: gate(x) = x W_g^T + s_g (x A_g^T) B_g^T, and so on. Inputs in the compute dtype; `agu` is
-    [A_g; A_u], so x is read once for both down-projections. Each base comes as `base.frozen_base` gives it
+    [A_g; A_u], so x is read once for both down-projections. Each base comes as `nf4.frozen_base` gives it
     (`sizes`: one entry per base, () for a weight, its sizes for an nf4 base; `weights`: their tensors in turn), so
     a QLoRA MLP's products run through the nf4 kernels and no dequantized weight is kept. Keeps x, the base
     products of gate and up, the [tokens, r] down-projections and the bases: not the SwiGLU output (the backward

@@ -19,9 +19,11 @@ under Triton's interpreter. The path applies on CUDA where Triton is installed (
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from tunesmith.kernels.base import Setting, replace_forward, restore_all, triton_available
+from tunesmith.kernels.base import Setting, nf4_base, replace_forward, restore_all, triton_available
 
 try:
     import triton
@@ -186,7 +188,15 @@ def strategy(x: torch.Tensor, n: int, k_w: int, transposed: bool, run) -> str:
         return FORCE
     key = (x.device.index, x.dtype, 1 << (x.shape[0] - 1).bit_length(), n, k_w, transposed)
     if key not in CHOICE:
-        times = {name: _timed(lambda name=name: run(name)) for name in STRATEGIES}
+        times = {}
+        for name in STRATEGIES:
+            try:
+                times[name] = _timed(lambda name=name: run(name))
+            except RuntimeError as e:  # Triton's compiler can refuse a kernel on some GPU / version: the other serves
+                if name == STRATEGIES[-1] and not times:
+                    raise
+                warnings.warn(f"nf4 kernels: the {name} strategy failed for a {tuple(x.shape)} x {n} product "
+                              f"({str(e).splitlines()[0][:200]}); the other is used", stacklevel=2)
         CHOICE[key] = min(times, key=times.get)
     return CHOICE[key]
 
@@ -282,6 +292,24 @@ def _joined_backward(ctx, grad):
 
 
 nf4_joined_mm.register_autograd(_joined_backward, setup_context=_joined_setup)
+
+
+def frozen_base(base, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """A frozen bias-free base as the fused LoRA paths multiply by it (`base_mm`): ((its weight in `dtype`,), ())
+    for a torch Linear; (its nf4 tensors, (out, in, scaler block)) for an nf4 base (`nf4_base`), never
+    dequantized whole here."""
+    if nf4_base(base):
+        q = base.qweight
+        return nf4_parts(q), (base.out_features, base.in_features, q.scaler_block_size)
+    return (base.weight.to(dtype),), ()
+
+
+def base_mm(x: torch.Tensor, parts: tuple[torch.Tensor, ...], sizes: tuple[int, ...], transposed: bool) -> torch.Tensor:
+    """x W^T (`transposed`: x [m, in]) or x W (x [m, out]) for a frozen base given as `frozen_base` gives it: an
+    nf4 base's through the nf4 kernels' op (`nf4_mm`), in x's dtype."""
+    if sizes:
+        return nf4_mm(x, *parts, *sizes, transposed)
+    return x @ parts[0].t() if transposed else x @ parts[0]
 
 
 # ------------------------------------------------------------------------------------------------ the path
