@@ -71,8 +71,8 @@ if triton is not None:
 
     @triton.jit
     def _decode(Q, QS, QF, LUT, MEAN, rows, c0, K, SB, row_mask, R: tl.constexpr, C: tl.constexpr):
-        """W[rows, c0:c0 + C] ([R, C], in the weight's dtype) of a [*, K] nf4 weight: each code's level times its
-        block's scale, rounded as torchao rounds them. C and K even; c0 even."""
+        """W[rows, c0:c0 + C] ([R, C], the weight's dtype's values, held in fp32) of a [*, K] nf4 weight: each
+        code's level times its block's scale, rounded as torchao rounds them. C and K even; c0 even."""
         dt = QF.dtype.element_ty
         j = c0 // 2 + tl.arange(0, C // 2)
         mask = row_mask[:, None] & (2 * j < K)[None, :]
@@ -83,8 +83,10 @@ if triton is not None:
         f = tl.load(QF + block // SB, mask=mask, other=1.0).to(tl.float32)
         mean = tl.load(MEAN).to(tl.float32)
         s = (tl.math.div_rn(q, f).to(dt).to(tl.float32) + mean).to(dt).to(tl.float32)
-        hi = (tl.load(LUT + (packed >> 4)).to(tl.float32) * s).to(dt)
-        lo = (tl.load(LUT + (packed & 15)).to(tl.float32) * s).to(dt)
+        # rounded to the weight's dtype, joined in fp32: the products' operand is then a cast of the join, which
+        # Triton 3.6's dot-operand pass takes (a join fed straight into tl.dot fails to build there)
+        hi = (tl.load(LUT + (packed >> 4)).to(tl.float32) * s).to(dt).to(tl.float32)
+        lo = (tl.load(LUT + (packed & 15)).to(tl.float32) * s).to(dt).to(tl.float32)
         return tl.join(hi, lo).reshape(R, C)
 
     @triton.jit
