@@ -132,8 +132,12 @@ class BatchedLM:
         self.inner, self.config = inner, inner.config
         self.adapters: list[str | None] = [None, *getattr(model, "peft_config", {})]
         layouts: dict = {}
-        dtype = inner.get_input_embeddings().weight.dtype  # the hidden state's dtype (a 4-bit base's too)
-        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts, lora_kernel, dtype)
+        # what the layers compute in: the embedding's output dtype, on its device (the table may be a quantized
+        # tensor subclass, or quantformat's CPU int8 module, which has no `weight`); the adapters run in it too
+        embed = inner.model.embed_tokens
+        where = next(iter([*embed.parameters(), *embed.buffers()]))
+        probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
+        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts, lora_kernel, probe.dtype)
                         for n in LINEARS]
                        for layer in inner.model.layers]
         # per layout, what a token's adapter index gathers: its mask's row (stacked), or its place (grouped)
@@ -143,11 +147,6 @@ class BatchedLM:
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.context, self.slots, self.deterministic = context, slots, deterministic
         self.head = _plain_cpu_weight(inner.lm_head)
-        # the cache holds what the layers compute in: the embedding's output dtype, on its device (the table may be
-        # a quantized tensor subclass, or quantformat's CPU int8 module, which has no `weight`)
-        embed = inner.model.embed_tokens
-        where = next(iter([*embed.parameters(), *embed.buffers()]))
-        probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
         self.keys = self.values = torch.empty(0, dtype=probe.dtype, device=probe.device)
         self._grow(slots + 1, min(context, FIRST_LENGTH))  # one slot more: the decode graphs' padding rows write there
         self.clean = [0] * (slots + 1)  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
