@@ -73,6 +73,7 @@ ROWS = {r.name: r for r in [
     Row("llama-1b-ckpt", L1B, 2048, 8, 16, 32, ("all-linear",), checkpointing="offload"),
     Row("llama-8b-ckpt", L8B, 2048, 4, 16, 32, ("all-linear",), checkpointing="offload"),
     Row("llama-8b-qlora", L8B, 2048, 4, 16, 32, ("all-linear",), base="nf4", checkpointing="offload"),
+    Row("llama-1b-qlora", L1B, 2048, 8, 16, 32, ("all-linear",), base="nf4", checkpointing="offload"),  # quick check
     Row("llama-1b-qv", L1B, 1024, 8, 8, 16, QV),
     Row("smollm2", SMOL, 1024, 8, 8, 16, QV),
     Row("smollm2-cpu", "real:smollm2-135m-instruct", 256, 4, 8, 16, QV),
