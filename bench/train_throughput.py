@@ -13,7 +13,7 @@ steps, each in its own process (Liger and Unsloth patch transformers classes glo
   (PaLM's formula, which counts the full score matrix, not its causal half);
 - the mean loss of the first and last 5 steps: every tool should be training the same problem.
 
-The -ckpt rows and llama-8b-qlora train with gradient checkpointing in every tool: tunesmith with its most memory-saving setting
+The -ckpt and -qlora rows train with gradient checkpointing in every tool: tunesmith with its most memory-saving setting
 (`gradient_checkpointing=offload`, the rows' `checkpointing`), Unsloth with its default offloaded checkpointing, the Trainer's
 tools with its `gradient_checkpointing`.
 - the GPU's state over the timed steps (CUDA, where nvidia-smi answers): the median SM clock and board power and
