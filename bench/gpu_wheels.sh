@@ -4,7 +4,7 @@
 # Each set stays under one 64 MiB transfer; on the GPU machine install a set with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/<set>/*.whl && export PYTHONPATH=/tmp/site
 # liger + common + bnb fit one transfer; unsloth goes in the next one (a warm machine keeps /tmp/site).
-# Or one transfer for all: the script also unpacks every set into .whl/slim/site.tar.xz (about 23 MiB), without
+# Or one transfer for all: the script also unpacks every set into .whl/slim/site.tar.xz (about 25 MiB), without
 # bitsandbytes' libraries for CUDA 11/12 (torch 2.11 there is built for CUDA 13) and Unsloth's web UI (studio/,
 # which training never imports); there: mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/slim/site.tar.xz
 # Versions: unsloth 2026.10.9 allows transformers <= 5.17.0, trl <= 1.15.0, datasets < 5.
@@ -23,8 +23,14 @@ get bnb bitsandbytes==0.50.2
 get unsloth unsloth==2026.10.9 unsloth-zoo==2026.10.9 annotated-types==0.8.0 cut-cross-entropy==25.1.1 \
   hf-transfer==0.1.9 json5==0.17.3 msgspec==0.23.0 nest-asyncio==1.6.0 pydantic==2.13.5 pydantic-core==2.46.5 \
   structlog==26.1.0 torchao==0.18.0 typing-inspection==0.4.2
+# `tunesmith serve` and bench/bench_serve.py's clients (fastapi's and openai's own needs; pydantic comes with unsloth's)
+get serve fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 annotated-doc==0.0.7 opentelemetry-api==1.45.3 \
+  openai==3.63.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 idna==3.21 \
+  anyio==4.16.0 typing_extensions==4.16.0 gguf==0.19.0
 site=$(mktemp -d)
-for w in .whl/liger/*.whl .whl/common/*.whl .whl/bnb/*.whl .whl/unsloth/*.whl; do unzip -q -o "$w" -d "$site"; done
+for w in .whl/liger/*.whl .whl/common/*.whl .whl/bnb/*.whl .whl/unsloth/*.whl .whl/serve/*.whl; do
+  unzip -q -o "$w" -d "$site"
+done
 rm -rf "$site"/bitsandbytes/libbitsandbytes_cuda1[12]*.so "$site/studio"
 mkdir -p .whl/slim && tar -C "$site" -cJf .whl/slim/site.tar.xz . && rm -rf "$site"
 du -sh .whl/*
