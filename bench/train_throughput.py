@@ -25,7 +25,7 @@ GPU rows use random weights (torch.manual_seed(0)) of the real shapes, saved onc
 small tokenizer built in code (no downloads) under --workdir; their tokens are random. The CPU row trains the
 real SmolLM2-135M on the built-in Shakespeare. The GPU run needs liger-kernel and unsloth (with unsloth_zoo,
 bitsandbytes, trl, datasets, tyro...): `pip install liger-kernel unsloth` online; offline machines get them as
-the wheels that bench/gpu_wheels.sh downloads into .whl/ (it says how to install each set there).
+the wheels that `bench/gpu.sh wheels` downloads into .whl/ (it says how to install each set there).
 
     python bench/train_throughput.py --device cuda --out throughput-cuda.jsonl
     python bench/train_throughput.py --device cpu --out throughput-cpu.jsonl
