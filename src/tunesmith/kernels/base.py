@@ -119,7 +119,7 @@ def nf4_base(base) -> bool:
     """Whether `base` is a frozen nf4 QuantLinear (QLoRA's) whose products the nf4 kernels take: blocks of 64
     within its rows (kernels.nf4)."""
     return (type(base).__name__ == "QuantLinear" and getattr(base, "scheme", None) == "nf4"
-            and base.in_features % 64 == 0)
+            and base.in_features % 64 == 0)  # kernels.nf4.BLOCK (not imported: nf4 imports this module)
 
 
 def lora_name(layer, nf4: bool = False) -> str | None:

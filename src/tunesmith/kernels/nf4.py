@@ -317,11 +317,6 @@ def base_mm(x: torch.Tensor, parts: tuple[torch.Tensor, ...], sizes: tuple[int, 
 # ------------------------------------------------------------------------------------------------ the path
 
 
-def kernel_fits(layer) -> bool:
-    """Whether an nf4 QuantLinear's products can run through the kernels: blocks of 64 within its rows."""
-    return getattr(layer, "scheme", None) == "nf4" and layer.in_features % BLOCK == 0
-
-
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
     """QuantLinear.forward for nf4 through `nf4_mm`, in the compute dtype (autocast's, else x's); fp32 outside
     autocast, and anything the kernels do not take, goes the plain way."""
@@ -339,11 +334,9 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def fuse_nf4(model: torch.nn.Module) -> int:
     """Route every nf4 QuantLinear of `model` through the kernels. Returns how many."""
-    from tunesmith.qlora import QuantLinear
-
     count = 0
     for module in model.modules():
-        if isinstance(module, QuantLinear) and kernel_fits(module):
+        if nf4_base(module):  # an nf4 QuantLinear whose rows hold whole blocks
             replace_forward(module, _forward, Nf4Kernels.name)
             count += 1
     return count

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from tunesmith.kernels import nf4
 from tunesmith.kernels.base import Setting, nf4_base, plain_lora, replace_forward, restore_forward
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -66,12 +67,10 @@ def _forward(self, hidden_states, position_embeddings=None, attention_mask=None,
         qkv = products_sum([x.to(dtype), self.tunesmith_qkv_weight.to(dtype).t(), xa.to(dtype), b.to(dtype).t()],
                            [1.0, 1.0])
     else:  # an nf4 base: the three weights decoded into one buffer for one product, forward and backward
-        from tunesmith.kernels.nf4 import nf4_joined_mm, nf4_parts
-
         holders = [_holder(layer) for layer in layers]
-        parts = [t for h in holders for t in nf4_parts(h.qweight)]
+        parts = [t for h in holders for t in nf4.nf4_parts(h.qweight)]
         sizes = [n for h in holders for n in (h.out_features, h.in_features, h.qweight.scaler_block_size)]
-        qkv = nf4_joined_mm(x.to(dtype), parts, sizes, True).addmm_(xa.to(dtype), b.to(dtype).t())
+        qkv = nf4.nf4_joined_mm(x.to(dtype), parts, sizes, True).addmm_(xa.to(dtype), b.to(dtype).t())
     cos, sin = position_embeddings
     module = sys.modules[type(self).__module__]  # the model file's own RoPE and eager attention (Liger may patch it)
     if _rope_kernel(qkv, hidden_states, cos, module, self.tunesmith_qkv_sizes, self.head_dim):
