@@ -293,6 +293,49 @@ def test_a_bf16_base_batches_its_float32_adapters_with_the_models_own_logits(tin
         assert got[i].float().argmax() == ref.argmax()
 
 
+def test_joined_projections_with_biases_and_adapters_on_every_linear_give_the_models_own_logits():
+    """q, k and v (and gate and up) run as one product over joined weights, the adapters' A behind the base rows:
+    a Qwen2 model (biases on q, k, v) with one adapter on every linear and one on q and v only gives each row the
+    model's own logits, and the modules' weights are views of the joined weight (the base is not copied)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tunesmith.serve.batch import BatchedLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                         max_position_embeddings=128, use_sliding_window=False))
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=every), adapter_name="all")
+    model.add_adapter("qv", LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "bias" in n:
+                p.normal_(0, 0.3)
+    model.eval()
+    attn = model.base_model.model.model.layers[1].self_attn
+    before = [attn.get_submodule(n).base_layer.weight.detach().clone() for n in ("q_proj", "k_proj", "v_proj")]
+    lm = BatchedLM(model, slots=3, context=64)
+    joined = lm.layers[1][0].weight
+    for n, w in zip(("q_proj", "k_proj", "v_proj"), before, strict=True):
+        now = attn.get_submodule(n).base_layer.weight
+        assert now.untyped_storage().data_ptr() == joined.untyped_storage().data_ptr()
+        assert torch.equal(now, w)
+    assert joined.shape[0] == 64 + 2 * 32 + 3 * 8 + 2 * 4  # q, k, v rows, then "all"'s A of each, "qv"'s of q, v
+    prompts = [[5, 9, 17, 3], [44], [7, 8, 9, 10, 11, 12]]
+    names = [None, "all", "qv"]
+    rows = [(slot, ids, 0, lm.adapter_index(a)) for slot, ids, a in zip((0, 1, 2), prompts, names, strict=True)]
+    prefill = lm.forward(rows, [True] * 3)
+    step = lm.forward([(slot, [6], len(ids), a) for slot, ids, _, a in rows], [True] * 3)
+    for i, (ids, adapter) in enumerate(zip(prompts, names, strict=True)):
+        ctx = model.disable_adapter() if adapter is None else contextlib.nullcontext(model.set_adapter(adapter))
+        with ctx, torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids + [6]])).logits[0, -2:]
+        torch.testing.assert_close(prefill[i], ref[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(step[i], ref[1], rtol=0, atol=1e-5)
+
+
 def test_a_row_moved_to_a_lower_slot_decodes_on_as_its_own_forward(served_tiny):
     """The engine keeps the running answers in the lowest slots, so that attention reads one block of the cache in
     place: a row moved into a freed slot (over a shorter answer's stale cache) goes on with the logits of the
@@ -515,6 +558,17 @@ def test_a_long_prompt_joins_while_others_decode(served_tiny):
     first_long = rec.tokens["long"][0][0]
     assert first_long - rec.tokens["a"][1][0] >= 100 // 8  # it took its chunks, while a and b went on
     assert rec.text("long") == alone(model, tok, "clerk", long_ids, 5)
+
+
+def test_a_step_reads_64_prompt_tokens_on_the_cpu_and_512_on_an_accelerator(tiny_model, tokenizer):
+    """The prefill chunk follows the model's device (a step that reads a prompt costs its tokens on the CPU, its
+    launches on a GPU); a chunk given to the engine wins."""
+    from tunesmith.serve.engine import prefill_chunk_for
+
+    assert Engine(tiny_model, tokenizer).prefill_chunk == 64
+    assert Engine(tiny_model, tokenizer, prefill_chunk=8).prefill_chunk == 8
+    on_meta = torch.nn.Linear(4, 4, device="meta")  # a device that is not the CPU, as a GPU's or MPS's is
+    assert prefill_chunk_for(on_meta) == 512
 
 
 def test_a_cancelled_answer_leaves_its_slot_at_once(served_tiny):

@@ -15,12 +15,15 @@ block at a time as rows reach them, so resident memory follows the longest answe
 token. Rows whose slots are consecutive and in order (serve.engine keeps the running answers in the lowest slots)
 read their keys and values in place; others are gathered.
 
-LoRA: every adapter's A of one linear stacked by rank ([in, sum of ranks]) and every B beside it ([sum of ranks,
-out]); a per-token mask keeps the columns of the token's own adapter, times its scale, and zeroes the rest, so
-`base(x) + ((x @ A) * mask) @ B` is, for each row, its own `base(x) + scale * B(A(x))`, and exactly base(x) for a
-row of the base. Two matmuls per linear whatever the batch holds, and no copy of any weight per row: with a few
+Linears that read one input (q, k and v; gate and up) run as one product (`Projection`), their weights joined
+(the modules' own weights become views of the joined one: nothing is copied). LoRA: every adapter's A of those
+linears stacked by rank after the base rows, so the same product also gives x @ A for every adapter, and every B
+beside it ([sum of ranks, outs], block-diagonal over the linears); a per-token mask keeps the columns of the
+token's own adapter, times its scale, and zeroes the rest, so `base(x) + ((x @ A) * mask) @ B` is, for each row,
+its own `base(x) + scale * B(A(x))`, and exactly base(x) for a row of the base. Three kernels per group of linears
+whatever the batch holds (the product, the mask, the addition), and no copy of any weight per row: with a few
 adapters, the summed rank stays far below the hidden size and this costs less than gathering each row's A and B.
-(serve.grouped_lora computes the same as two Triton kernels that read only each token's own adapter.)
+(serve.grouped_lora computes the LoRA as two Triton kernels per linear that read only each token's own adapter.)
 
 On CUDA a step where every row decodes one token replays a CUDA graph (serve.graphs); the rest run as written here.
 """
@@ -38,8 +41,8 @@ from tunesmith.serve.graphs import make_graphs
 SUPPORTED = ("llama", "mistral", "qwen2")
 ZERO_BLOCK = 256  # cache positions zeroed at a time, ahead of the rows that will read them
 FIRST_LENGTH = 4096  # cache positions per slot at first; doubled (up to the context) when a row needs more
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
+GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+          ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # the linears that read one input
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -59,47 +62,114 @@ def unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
-class StackedLora:
-    """One linear of the model and the LoRA of every adapter over it, stacked by rank; with `kernel`, grouped for
-    serve.grouped_lora's kernels instead."""
+class Projection:
+    """The linears of one layer that read the same input (q, k and v; gate and up; o; down), and every adapter's
+    LoRA over them, as few products as their weights allow.
 
-    def __init__(self, module: torch.nn.Module, adapters: list[str | None], layouts: dict, kernel: bool = False,
-                 dtype: torch.dtype = torch.float32):
-        self.base = getattr(module, "base_layer", module)
-        self.a = self.b = self.grouped = None
-        self.layout = -1  # which per-token mask this linear takes (linears with the same adapters share one)
-        names = [n for n in adapters if n is not None and n in getattr(module, "lora_A", {})]
-        if not names:
-            return
+    Plain linears (`torch.nn.Linear` over an unquantized weight) are joined: one weight, their rows one after
+    another and then every adapter's A of each ([outs + sum of ranks, in]), so one product gives the base outputs
+    and every LoRA's x @ A together. The modules' own weights become views of the joined one (no second copy).
+    Then the masked ranks times B, block-diagonal over the linears ([sum of ranks, outs]), are added in place: three
+    kernels for the group where each linear on its own took three. A base-only step multiplies by the base rows
+    alone. Other bases (quantized) run as their modules, their outputs joined, then the same LoRA product over the
+    input. With `kernel`, each linear's LoRA runs serve.grouped_lora's kernels instead."""
+
+    def __init__(self, modules: list[torch.nn.Module], adapters: list[str | None], layouts: dict,
+                 kernel: bool = False, dtype: torch.dtype = torch.float32):
+        self.modules = [getattr(m, "base_layer", m) for m in modules]
+        self.sizes = [m.out_features for m in self.modules]
+        self.rows = sum(self.sizes)  # the joined base outputs
+        self.weight = self.bias = self.b = self.grouped = None
+        self.layout = -1  # which per-token mask this group takes (groups with the same adapters share one)
+        self.layouts: list[int] = []  # with `kernel`: each linear's (-1: no adapter on it)
         # in the model's dtype: PEFT loads a saved adapter as float32 even over a bf16 base (its forward casts
-        # the input to the adapter's dtype each call; the stacked forward casts the adapter once, here)
-        a = [module.lora_A[n].weight.detach().to(dtype) for n in names]
-        b = [module.lora_B[n].weight.detach().to(dtype) for n in names]
+        # the input to the adapter's dtype each call; the batched forward casts the adapter once, here)
+        per = [[n for n in adapters if n is not None and n in getattr(m, "lora_A", {})] for m in modules]
+        a = [[m.lora_A[n].weight.detach().to(dtype) for n in names] for m, names in zip(modules, per, strict=True)]
+        b = [[m.lora_B[n].weight.detach().to(dtype) for n in names] for m, names in zip(modules, per, strict=True)]
+        plain = all(_plain_weight(m) is not None for m in self.modules)
+        ranks = [w for ws in a for w in ws] if plain and not kernel else []
+        if plain:
+            self._join(ranks, dtype)
         if kernel:
-            self.grouped = grouped_lora.grouped(a, b, [module.scaling[n] for n in names])
-        else:
-            self.a = torch.cat(a).t().contiguous()  # [in, sum of ranks]
-            self.b = torch.cat(b, dim=1).t().contiguous()  # [sum of ranks, out]
-        columns = torch.zeros(len(adapters), sum(w.shape[0] for w in a), dtype=a[0].dtype, device=a[0].device)
-        table = torch.full((len(adapters),), -1, dtype=torch.long, device=a[0].device)  # adapter -> its place here
-        at = 0
-        for i, (n, w) in enumerate(zip(names, a, strict=True)):
-            columns[adapters.index(n), at : at + w.shape[0]] = module.scaling[n]
-            table[adapters.index(n)] = i
-            at += w.shape[0]
+            for names, ws in zip(per, a, strict=True):
+                self.layouts.append(_places(layouts, adapters, names, ws[0].device) if names else -1)
+            self.grouped = [grouped_lora.grouped(ws, bs, [m.scaling[n] for n in names]) if names else None
+                            for m, names, ws, bs in zip(modules, per, a, b, strict=True)]
+            return
+        if not any(per):
+            return
+        # the mask's columns: per linear, per adapter on it, its rank (times its scale for the token's own)
+        columns = torch.cat([_columns(adapters, names, ws, m) for m, names, ws in zip(modules, per, a, strict=True)
+                             if names], dim=1)
         key = (tuple(columns.flatten().tolist()), columns.shape)
-        self.layout = layouts.setdefault(key, (len(layouts), table if kernel else columns))[0]
+        self.layout = layouts.setdefault(key, (len(layouts), columns))[0]
+        self.b = columns.new_zeros(columns.shape[1], self.rows)  # [sum of ranks, outs], block-diagonal
+        r = o = 0
+        for bs, size in zip(b, self.sizes, strict=True):
+            for w in bs:
+                self.b[r : r + w.shape[1], o : o + size] = w.t()
+                r += w.shape[1]
+            o += size
+        if self.weight is None:
+            self.a = torch.cat([w for ws in a for w in ws]).t().contiguous()  # [in, sum of ranks]
 
-    def __call__(self, x: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
-        """masks: per layout, each token's mask over the stacked ranks ([tokens, sum of ranks]) or, grouped, each
-        token's place among this linear's adapters ([tokens], -1: none); None where no token has an adapter."""
-        y = self.base(x)
+    def _join(self, ranks: list[torch.Tensor], dtype: torch.dtype) -> None:
+        """One weight for the plain linears and the adapters' A; the modules' weights become views of it."""
+        weights = [m.weight.detach() for m in self.modules]
+        self.weight = torch.cat([*weights, *(w.to(weights[0].dtype) for w in ranks)])
+        if any(m.bias is not None for m in self.modules):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0])
+                                   for m, w in zip(self.modules, weights, strict=True)])
+            self.bias = torch.cat([self.bias, self.bias.new_zeros(self.weight.shape[0] - self.rows)])
+        at = 0
+        for m, w in zip(self.modules, weights, strict=True):
+            m.weight = torch.nn.Parameter(self.weight[at : at + w.shape[0]], requires_grad=m.weight.requires_grad)
+            at += w.shape[0]
+
+    def __call__(self, x: torch.Tensor, masks: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Each linear's output with each token's own adapter, [tokens, out] each (views of one tensor).
+        masks: per layout, each token's mask over the stacked ranks ([tokens, sum of ranks]) or, with `kernel`,
+        each token's place among the linear's adapters ([tokens], -1: none); None where no token has an
+        adapter."""
         mask = masks[self.layout] if self.layout >= 0 else None
-        if mask is None:
-            return y
+        if self.weight is None:
+            ys = [m(x) for m in self.modules]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+            if mask is not None:
+                y = torch.addmm(y, (x @ self.a).mul_(mask), self.b)
+        elif mask is None:
+            y = F.linear(x, self.weight[: self.rows], None if self.bias is None else self.bias[: self.rows])
+        else:
+            both = F.linear(x, self.weight, self.bias)
+            y = both[:, : self.rows]
+            y.addmm_(both[:, self.rows :].mul_(mask), self.b)
         if self.grouped is not None:
-            return grouped_lora.add_lora(y, x.contiguous(), *self.grouped, mask)
-        return torch.addmm(y, (x @ self.a).mul_(mask), self.b)
+            x = x.contiguous()
+            outs = y.split(self.sizes, dim=-1)
+            for out, layout, weights in zip(outs, self.layouts, self.grouped, strict=True):
+                if weights is not None and masks[layout] is not None:
+                    grouped_lora.add_lora(out, x, *weights, masks[layout])
+            return list(outs)
+        return list(y.split(self.sizes, dim=-1))
+
+
+def _columns(adapters: list[str | None], names: list[str], a: list[torch.Tensor], module) -> torch.Tensor:
+    """One linear's part of the mask: for each adapter (rows), its scale over its own ranks' columns."""
+    columns = a[0].new_zeros(len(adapters), sum(w.shape[0] for w in a))
+    at = 0
+    for n, w in zip(names, a, strict=True):
+        columns[adapters.index(n), at : at + w.shape[0]] = module.scaling[n]
+        at += w.shape[0]
+    return columns
+
+
+def _places(layouts: dict, adapters: list[str | None], names: list[str], device: torch.device) -> int:
+    """The index of the grouped kernels' layout for one linear: each adapter's place among its adapters."""
+    table = torch.full((len(adapters),), -1, dtype=torch.long, device=device)
+    for i, n in enumerate(names):
+        table[adapters.index(n)] = i
+    return layouts.setdefault(("places", tuple(table.tolist())), (len(layouts), table))[0]
 
 
 @dataclass
@@ -137,8 +207,9 @@ class BatchedLM:
         embed = inner.model.embed_tokens
         where = next(iter([*embed.parameters(), *embed.buffers()]))
         probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
-        self.layers = [[StackedLora(layer.get_submodule(n), self.adapters, layouts, lora_kernel, probe.dtype)
-                        for n in LINEARS]
+        self.layers = [[Projection([layer.get_submodule(n) for n in group], self.adapters, layouts, lora_kernel,
+                                   probe.dtype)
+                        for group in GROUPS]
                        for layer in inner.model.layers]
         # per layout, what a token's adapter index gathers: its mask's row (stacked), or its place (grouped)
         self.layouts = [per_adapter for _, per_adapter in sorted(layouts.values(), key=lambda v: v[0])]
@@ -190,7 +261,7 @@ class BatchedLM:
         return self.run(step, masks)
 
     def masks(self, adapters: torch.Tensor) -> list[torch.Tensor]:
-        """What each linear's LoRA takes for tokens of these adapters (StackedLora.__call__), per layout."""
+        """What each linear's LoRA takes for tokens of these adapters (Projection.__call__), per layout."""
         return [per_adapter[adapters] for per_adapter in self.layouts]
 
     def run(self, step: Step, masks: list[torch.Tensor | None]) -> torch.Tensor:
@@ -221,12 +292,11 @@ class BatchedLM:
         if length > self.keys.shape[2]:
             self._grow(self.keys.shape[1], min(self.context, max(2 * self.keys.shape[2], length)))
 
-    def _layer(self, i: int, layer, linears: list[StackedLora], x, cos, sin, step: Step, masks) -> torch.Tensor:
-        q_proj, k_proj, v_proj, o_proj, gate, up, down = linears
+    def _layer(self, i: int, layer, projections: list[Projection], x, cos, sin, step: Step, masks) -> torch.Tensor:
+        qkv, o_proj, gate_up, down = projections
         n, d = x.shape[0], self.head_dim
         h = layer.input_layernorm(x)
-        q, k = q_proj(h, masks).view(n, -1, d), k_proj(h, masks).view(n, -1, d)
-        v = v_proj(h, masks).view(n, -1, d)
+        q, k, v = (t.view(n, -1, d) for t in qkv(h, masks))
         q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
         self.keys[i].index_put_((step.token_slots, step.positions), k)
         self.values[i].index_put_((step.token_slots, step.positions), v)
@@ -245,9 +315,10 @@ class BatchedLM:
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=step.mask,
                                              scale=self.scale, enable_gqa=True).transpose(1, 2)
         out = out.reshape(n, -1) if step.width == 1 else out[step.token_rows, step.token_cols].reshape(n, -1)
-        x = x + o_proj(out, masks)
+        x = x + o_proj(out, masks)[0]
         h = layer.post_attention_layernorm(x)
-        return x + down(layer.mlp.act_fn(gate(h, masks)) * up(h, masks), masks)
+        gate, up = gate_up(h, masks)
+        return x + down(layer.mlp.act_fn(gate) * up, masks)[0]
 
     def _plan(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> Step:
         """The step's index tensors, built once and shared by every layer."""
@@ -306,13 +377,19 @@ class BatchedLM:
         self.clean[slot] = end
 
 
-def _plain_cpu_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The weight of a plain fp32 linear without bias on the CPU (not quantized, not wrapped), else None."""
-    if type(module) is not torch.nn.Linear or module.bias is not None:
+def _plain_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of a plain linear (`torch.nn.Linear` itself, not quantized, not wrapped), else None."""
+    if type(module) is not torch.nn.Linear:
         return None
     w = module.weight
-    plain = type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor  # not a quantized tensor subclass
-    return w if plain and w.dtype == torch.float32 and w.device.type == "cpu" else None
+    return w if type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor else None  # not a tensor subclass
+
+
+def _plain_cpu_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of a plain fp32 linear without bias on the CPU, else None."""
+    w = _plain_weight(module)
+    ok = w is not None and module.bias is None and w.dtype == torch.float32 and w.device.type == "cpu"
+    return w if ok else None
 
 
 class PerRow:

@@ -2,7 +2,7 @@
 
 Each step is one batched forward (serve.batch) over every active request: a request that decodes adds its last
 token, one that is still reading its prompt adds the next chunk of it (at most `prefill_chunk` prompt tokens a
-step, shared in arrival order), so a long prompt never stalls the others' decode for longer than a chunk. New
+step, shared in arrival order: 64 on the CPU, 512 on an accelerator, see PREFILL_CHUNK), so a long prompt never stalls the others' decode for longer than a chunk. New
 requests join between steps, up to `parallel` at once, each in its own slot of a preallocated KV cache; an answer
 that ends (or whose client went away) leaves its slot at once, and the next request in line takes it. Each row
 applies its own adapter inside the forward; nothing is switched between requests.
@@ -27,6 +27,19 @@ import torch
 from tunesmith.generate import Answer, GenerationResponse, stop_token_ids
 
 WAITING_PER_SLOT = 4  # the queue holds this many requests per slot: beyond, a client is told to come back
+# Prompt tokens a step reads (shared by the rows reading theirs). On the CPU a step costs its tokens, so a chunk
+# is small enough that the rows decoding beside it wait little. On an accelerator a step that reads a prompt runs
+# eagerly (no decode graph), and its cost is its kernel launches (26 ms for SmolLM2-135M's 30 layers on an H100)
+# until far more tokens: a small chunk would make eight prompts arriving together take several such steps instead
+# of one, and every decoding row waits through each.
+PREFILL_CHUNK = {"cpu": 64}
+PREFILL_CHUNK_ACCELERATOR = 512
+
+
+def prefill_chunk_for(model: torch.nn.Module) -> int:
+    """The prompt tokens a step reads on the device the model is on."""
+    device = next(iter(model.parameters())).device.type
+    return PREFILL_CHUNK.get(device, PREFILL_CHUNK_ACCELERATOR)
 
 
 @dataclass
@@ -87,11 +100,11 @@ class Engine:
     """The worker thread and its queue; `submit` may be called from any thread."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, parallel: int = 8, max_waiting: int | None = None,
-                 prefill_chunk: int = 64, deterministic: bool = False):
+                 prefill_chunk: int | None = None, deterministic: bool = False):
         self.model, self.tokenizer, self.parallel = model, tokenizer, parallel
         self.deterministic = deterministic
         self.max_waiting = WAITING_PER_SLOT * parallel if max_waiting is None else max_waiting
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk or prefill_chunk_for(model)
         self.finished: deque[Finished] = deque(maxlen=100)
         self.steps = 0  # forwards run (tests read it)
         self._waiting: deque[Job] = deque()  # FIFO: the order requests came in
