@@ -11,7 +11,8 @@ replays it for any rows of that shape:
 - Cache-length buckets (256, 512, ... up to the cache allocated): attention reads each row's slot up to the bucket,
   a mask hiding what lies past the row's own position, so a graph stays valid as the rows grow, until the longest
   passes its bucket. Growing the cache itself (rare: serve.batch) drops every graph, as their addresses die.
-- Batches of the base only skip the LoRA products, as the eager forward does: a graph with LoRA and one without.
+- Batches of the base only skip the LoRA products, as the eager forward does: a graph with LoRA and one without
+  (the deterministic mode always takes the one with LoRA).
 
 Graphs are captured when first needed (`warm` captures the short ones up front). Prefill and mixed steps stay
 eager. Off CUDA, or where a capture fails (a quantized base whose kernels cannot be captured, say), the same static
@@ -79,7 +80,9 @@ class DecodeGraphs:
         n = len(rows)
         lm.ensure_length(max(start + 1 for _, _, start, _ in rows))
         batch, length = self.shape(n, max(start + 1 for _, _, start, _ in rows))
-        lora = bool(lm.layouts) and any(a for *_, a in rows)
+        # a batch of the base only skips the LoRA products; not in the fixed mode, where a base row must get the
+        # same bits alone as beside adapters' rows (the joined product has more columns: serve.batch.Projection)
+        lora = bool(lm.layouts) and (self.fixed or any(a for *_, a in rows))
         for slot in {s for s, *_ in rows} | {self.scratch}:
             lm.zero_ahead(slot, length)
         if not self.capture:
@@ -109,7 +112,7 @@ class DecodeGraphs:
         self.lm.zero_ahead(self.scratch, length)
         self.cache = self.lm.keys
         for batch in self.batches[-1:] if self.fixed else self.batches:
-            for lora in (False, True) if self.lm.layouts else (False,):
+            for lora in ((True,) if self.fixed else (False, True)) if self.lm.layouts else (False,):
                 if (batch, length, lora) not in self.graphs:
                     self.graphs[(batch, length, lora)] = self._capture(batch, length, lora)
 
