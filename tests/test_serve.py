@@ -258,16 +258,23 @@ def test_batched_logits_are_each_rows_own_forward_with_its_adapter(served_tiny, 
     lm = BatchedLM(model, slots=4, context=64)
     prompts = [tok(p)["input_ids"] for p in ("ROMEO: But soft", "JULIET:", "First Citizen: Before we proceed")]
     adapters = [None, "poet", "clerk"]
-    rows = [(slot, ids, 0, lm.adapter_index(a)) for slot, ids, a in zip((2, 0, 3), prompts, adapters, strict=True)]
-    prefill = lm.forward(rows, [True] * 3)
-    step = lm.forward([(slot, [5], len(ids), a) for slot, ids, _, a in rows], [True] * 3)
+    assert_rows_are_their_own_forward(lm, model, (2, 0, 3), prompts, adapters, token=5)
+    assert 4 < lm.keys.shape[2] <= 64
+
+
+def assert_rows_are_their_own_forward(lm, model, slots, prompts, adapters, token):
+    """One batched forward reads each prompt into its slot with its adapter (None: the base), then one step adds
+    `token` to every row: each row's logits, after its prompt and after the token, are the model's own forward's
+    for that row alone, to 1e-5."""
+    rows = [(slot, ids, 0, lm.adapter_index(a)) for slot, ids, a in zip(slots, prompts, adapters, strict=True)]
+    prefill = lm.forward(rows, [True] * len(rows))
+    step = lm.forward([(slot, [token], len(ids), a) for slot, ids, _, a in rows], [True] * len(rows))
     for i, (ids, adapter) in enumerate(zip(prompts, adapters, strict=True)):
         ctx = model.disable_adapter() if adapter is None else contextlib.nullcontext(model.set_adapter(adapter))
         with ctx, torch.no_grad():
-            ref = model(input_ids=torch.tensor([ids + [5]])).logits[0, -2:]
+            ref = model(input_ids=torch.tensor([ids + [token]])).logits[0, -2:]
         torch.testing.assert_close(prefill[i], ref[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(step[i], ref[1], rtol=0, atol=1e-5)
-    assert 4 < lm.keys.shape[2] <= 64
 
 
 def test_a_bf16_base_batches_its_float32_adapters_with_the_models_own_logits(tiny_dir, adapters):
@@ -324,16 +331,7 @@ def test_joined_projections_with_biases_and_adapters_on_every_linear_give_the_mo
         assert torch.equal(now, w)
     assert joined.shape[0] == 64 + 2 * 32 + 3 * 8 + 2 * 4  # q, k, v rows, then "all"'s A of each, "qv"'s of q, v
     prompts = [[5, 9, 17, 3], [44], [7, 8, 9, 10, 11, 12]]
-    names = [None, "all", "qv"]
-    rows = [(slot, ids, 0, lm.adapter_index(a)) for slot, ids, a in zip((0, 1, 2), prompts, names, strict=True)]
-    prefill = lm.forward(rows, [True] * 3)
-    step = lm.forward([(slot, [6], len(ids), a) for slot, ids, _, a in rows], [True] * 3)
-    for i, (ids, adapter) in enumerate(zip(prompts, names, strict=True)):
-        ctx = model.disable_adapter() if adapter is None else contextlib.nullcontext(model.set_adapter(adapter))
-        with ctx, torch.no_grad():
-            ref = model(input_ids=torch.tensor([ids + [6]])).logits[0, -2:]
-        torch.testing.assert_close(prefill[i], ref[0], rtol=0, atol=1e-5)
-        torch.testing.assert_close(step[i], ref[1], rtol=0, atol=1e-5)
+    assert_rows_are_their_own_forward(lm, model, (0, 1, 2), prompts, [None, "all", "qv"], token=6)
 
 
 def test_a_row_moved_to_a_lower_slot_decodes_on_as_its_own_forward(served_tiny):

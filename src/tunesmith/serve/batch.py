@@ -90,7 +90,7 @@ class Projection:
         plain = all(_plain_weight(m) is not None for m in self.modules)
         ranks = [w for ws in a for w in ws] if plain and not kernel else []
         if plain:
-            self._join(ranks, dtype)
+            self._join(ranks)
         if kernel:
             for names, ws in zip(per, a, strict=True):
                 self.layouts.append(_places(layouts, adapters, names, ws[0].device) if names else -1)
@@ -114,7 +114,7 @@ class Projection:
         if self.weight is None:
             self.a = torch.cat([w for ws in a for w in ws]).t().contiguous()  # [in, sum of ranks]
 
-    def _join(self, ranks: list[torch.Tensor], dtype: torch.dtype) -> None:
+    def _join(self, ranks: list[torch.Tensor]) -> None:
         """One weight for the plain linears and the adapters' A; the modules' weights become views of it."""
         weights = [m.weight.detach() for m in self.modules]
         self.weight = torch.cat([*weights, *(w.to(weights[0].dtype) for w in ranks)])

@@ -2,10 +2,11 @@
 
 Each step is one batched forward (serve.batch) over every active request: a request that decodes adds its last
 token, one that is still reading its prompt adds the next chunk of it (at most `prefill_chunk` prompt tokens a
-step, shared in arrival order: 64 on the CPU, 512 on an accelerator, see PREFILL_CHUNK), so a long prompt never stalls the others' decode for longer than a chunk. New
-requests join between steps, up to `parallel` at once, each in its own slot of a preallocated KV cache; an answer
-that ends (or whose client went away) leaves its slot at once, and the next request in line takes it. Each row
-applies its own adapter inside the forward; nothing is switched between requests.
+step, shared in arrival order: 64 on the CPU, 512 on an accelerator), so a long prompt never stalls the others'
+decode for longer than a chunk. New requests join between steps, up to `parallel` at once, each in its own slot
+of a preallocated KV cache; an answer that ends (or whose client went away) leaves its slot at once, and the next
+request in line takes it. Each row applies its own adapter inside the forward; nothing is switched between
+requests.
 
 The sampling, stop rule and streamed text of each answer are `generate.Answer`, as for `tunesmith generate`, so a
 greedy answer is the one `generate` gives for that prompt alone. Requests wait in a bounded first-come, first-served
@@ -32,14 +33,13 @@ WAITING_PER_SLOT = 4  # the queue holds this many requests per slot: beyond, a c
 # eagerly (no decode graph), and its cost is its kernel launches (26 ms for SmolLM2-135M's 30 layers on an H100)
 # until far more tokens: a small chunk would make eight prompts arriving together take several such steps instead
 # of one, and every decoding row waits through each.
-PREFILL_CHUNK = {"cpu": 64}
-PREFILL_CHUNK_ACCELERATOR = 512
+PREFILL_CHUNK_CPU, PREFILL_CHUNK_ACCELERATOR = 64, 512
 
 
 def prefill_chunk_for(model: torch.nn.Module) -> int:
     """The prompt tokens a step reads on the device the model is on."""
-    device = next(iter(model.parameters())).device.type
-    return PREFILL_CHUNK.get(device, PREFILL_CHUNK_ACCELERATOR)
+    cpu = next(iter(model.parameters())).device.type == "cpu"
+    return PREFILL_CHUNK_CPU if cpu else PREFILL_CHUNK_ACCELERATOR
 
 
 @dataclass
