@@ -506,12 +506,22 @@ def test_grouped_lora_kernels_give_the_stacked_paths_logits_under_triton_s_inter
     assert out.returncode == 0 and out.stdout.split()[-1] == "same", out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served_tiny, deterministic):
+@pytest.mark.parametrize("mode", ["default", "deterministic", "ahead"])
+def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served_tiny, mode):
     """Nine requests over three slots: prompts of different lengths, prefilled in chunks of 8, rows joining as
-    others leave, greedy, sampled with a seed and cut by a stop string; each answer is the one it gets alone."""
+    others leave, greedy, sampled with a seed and cut by a stop string; each answer is the one it gets alone.
+    "ahead": greedy decode steps launched before the one before is answered, as on CUDA (here the deterministic
+    mode's static step, run eagerly, stands for the graphs)."""
+    from tunesmith.serve.engine import make_runner
+
     model, tok = served_tiny.model, served_tiny.tokenizer
-    engine = Engine(model, tok, parallel=3, prefill_chunk=8, deterministic=deterministic)
+    engine = Engine(model, tok, parallel=3, prefill_chunk=8, deterministic=mode != "default")
+    launches = []
+    if mode == "ahead":
+        runner = engine._runner = make_runner(model, tok, 3, deterministic=True)
+        assert not runner.decode_ahead  # no graphs are captured on the CPU
+        runner.decode_ahead, launch = True, runner.launch
+        runner.launch = lambda rows, ids=None: launches.append(ids is not None) or launch(rows, ids)
     rec = Recorder(engine)
     prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore art thou Romeo?" * 2, "Speaker 3:"] * 3
     specs = [dict(adapter=[None, "poet", "clerk"][i % 3], ids=tok(p)["input_ids"], max_tokens=6 + 2 * i)
@@ -529,6 +539,8 @@ def test_answers_together_over_the_base_and_two_adapters_equal_each_alone(served
     assert [rec.text(i) for i in range(len(specs))] == expected
     assert expected[7] == greedy[:3] and rec.ended == {i: None for i in range(len(specs))}
     assert engine.steps < sum(len(t) for t in rec.tokens.values())  # rows shared forwards
+    if mode == "ahead":  # steps were launched on the device's own tokens, and others from the host's
+        assert launches.count(True) > 10 and launches.count(False) > 0
 
 
 def test_a_long_prompt_joins_while_others_decode(served_tiny):
@@ -569,10 +581,17 @@ def test_a_step_reads_64_prompt_tokens_on_the_cpu_and_512_on_an_accelerator(tiny
     assert prefill_chunk_for(on_meta) == 512
 
 
-def test_a_cancelled_answer_leaves_its_slot_at_once(served_tiny):
-    """One slot: the answer cancelled after its second token ends there, and the one waiting starts."""
+@pytest.mark.parametrize("ahead", [False, True], ids=["stepped", "ahead"])
+def test_a_cancelled_answer_leaves_its_slot_at_once(served_tiny, ahead):
+    """One slot: the answer cancelled after its second token ends there, and the one waiting starts at the next
+    step (with steps launched ahead, after the one in flight)."""
+    from tunesmith.serve.engine import make_runner
+
     model, tok = served_tiny.model, served_tiny.tokenizer
-    engine = Engine(model, tok, parallel=1)
+    engine = Engine(model, tok, parallel=1, deterministic=ahead)
+    if ahead:
+        engine._runner = make_runner(model, tok, 1, deterministic=True)
+        engine._runner.decode_ahead = True
     rec = Recorder(engine)
 
     def cancel_after_two(r):
@@ -586,7 +605,7 @@ def test_a_cancelled_answer_leaves_its_slot_at_once(served_tiny):
     rec.wait(2)
     engine.close()
     assert [(f.adapter, f.tokens, f.reason) for f in engine.finished][:1] == [("poet", 2, "cancelled")]
-    assert rec.tokens["next"][0][0] == rec.tokens["first"][-1][0] + 1  # it started at the very next step
+    assert rec.tokens["next"][0][0] == rec.tokens["first"][-1][0] + 1 + ahead  # the next step it could
     assert rec.text("next") == alone(model, tok, None, tok("JULIET:")["input_ids"], 6)
 
 

@@ -222,9 +222,17 @@ class BatchedLM:
         self._grow(slots + 1, min(context, FIRST_LENGTH))  # one slot more: the decode graphs' padding rows write there
         self.clean = [0] * (slots + 1)  # positions [0, clean) of each slot hold finite numbers (written or zeroed)
         self.graphs = make_graphs(self, fixed=deterministic)
+        # whether the engine may launch a decode step before answering the one before it (serve.engine): where
+        # the steps are captured graphs, whose launch costs the host little beside the step it does not wait for
+        self.decode_ahead = self.graphs is not None and self.graphs.capture
 
     def adapter_index(self, name: str | None) -> int:
         return self.adapters.index(name)
+
+    @torch.inference_mode()
+    def launch(self, rows: list[tuple[int, list[int], int, int]], ids: torch.Tensor | None = None):
+        """A decode step of greedy rows, launched and not waited for (serve.graphs.DecodeGraphs.launch)."""
+        return self.graphs.launch(rows, ids)
 
     @torch.inference_mode()
     def forward(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> torch.Tensor:

@@ -159,7 +159,9 @@ class Engine:
                 row = self._join(job, free)
                 if row is not None:
                     active.append(row)
-            if active:
+            if active and self._ahead(active, free):
+                self._decode_ahead(active, free)
+            elif active:
                 self._step(active, free)
 
     def _compact(self, active: list[_Row], free: list[int]) -> None:
@@ -220,7 +222,46 @@ class Engine:
         for at, row in enumerate(drawing):
             self._draw(row, logits[at], greedy[at], active, free)
 
-    def _draw(self, row: _Row, logits: torch.Tensor, token: int | None, active: list[_Row], free: list[int]) -> None:
+    def _ahead(self, rows: list[_Row], free: list[int]) -> bool:
+        """Whether the next decode step may be launched before the one in flight is answered: the runner steps
+        captured graphs, every row decodes greedily (its next input is the argmax of its logits, which the device
+        can feed itself), and no request waits for a free slot, is cancelled, or stops the engine."""
+        return (getattr(self._runner, "decode_ahead", False) and not self._closing and not (free and self._waiting)
+                and all(len(r.pending) == 1 and r.answer.generated and r.job.temperature <= 0
+                        and not r.job.cancelled.is_set() for r in rows))
+
+    def _decode_ahead(self, active: list[_Row], free: list[int]) -> None:
+        """Greedy decode steps, each launched before the host answers the one before it: the device reads each
+        row's token from the step before (serve.graphs.DecodeGraphs.launch), and the host's work per answered
+        token (its text, the stop rule, the stream) overlaps the next step instead of following it. The rows'
+        answers are the ones `_step` gives. It returns once every launched step is answered, when a request
+        waits for a free slot or is cancelled, a row's next token is its last, or a row ends (a row that ended
+        was computed one step more, for nothing)."""
+        rows = sorted(active, key=lambda r: r.slot)
+        launched, ending = None, False
+        try:
+            launched = self._runner.launch([(r.slot, r.pending, r.cached, r.adapter) for r in rows])
+            while launched is not None:
+                going = (not ending and self._ahead(rows, free)
+                         and all(len(r.answer.generated) + 1 < r.job.max_tokens for r in rows))
+                after = (self._runner.launch([(r.slot, [0], r.cached + 1, r.adapter) for r in rows], launched.device)
+                         if going else None)
+                tokens = launched.tokens()
+                self.steps += 1
+                for row, token in zip(rows, tokens, strict=True):
+                    if row in active and not row.job.cancelled.is_set():  # a cancelled one leaves in _run
+                        row.cached += 1
+                        row.pending = []
+                        self._draw(row, None, token, active, free)
+                ending = any(row not in active or row.job.cancelled.is_set() for row in rows)
+                launched = after
+        except Exception as e:  # a bug: as in _step, the rows end with it and the server goes on
+            traceback.print_exc(file=sys.stderr)
+            for row in [r for r in rows if r in active]:
+                self._leave(row, active, free, "error", e)
+
+    def _draw(self, row: _Row, logits: torch.Tensor | None, token: int | None, active: list[_Row],
+              free: list[int]) -> None:
         try:
             r = row.answer.add(logits, token)
         except Exception as e:

@@ -49,6 +49,20 @@ def length_bucket(length: int, allocated: int) -> int:
     return min(allocated, max(LENGTH_MIN, 1 << (length - 1).bit_length()))
 
 
+class Launched:
+    """A decode step in flight (`DecodeGraphs.launch`): each row's greedy token on the device, and on its way to
+    the host."""
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor, done):
+        self.device, self._host, self._done = device, host, done
+
+    def tokens(self) -> list[int]:
+        """The rows' tokens, once the step has run."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
 class DecodeGraphs:
     """Static inputs and the graphs captured over them for one `BatchedLM`; see the module's docstring.
 
@@ -74,8 +88,9 @@ class DecodeGraphs:
             return self.batches[-1], allocated
         return pick(rows, self.batches), length_bucket(length, allocated)
 
-    def run(self, rows: list[tuple[int, list[int], int, int]]) -> torch.Tensor:
-        """Logits after each row's one new token, [rows, vocab]; the rows are (slot, [token], cached, adapter)."""
+    def run(self, rows: list[tuple[int, list[int], int, int]], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits after each row's one new token, [rows, vocab]; the rows are (slot, [token], cached, adapter).
+        ids: the rows' tokens as a tensor on the device (a launched step's; see `launch`) instead of the rows'."""
         lm = self.lm
         n = len(rows)
         lm.ensure_length(max(start + 1 for _, _, start, _ in rows))
@@ -86,7 +101,7 @@ class DecodeGraphs:
         for slot in {s for s, *_ in rows} | {self.scratch}:
             lm.zero_ahead(slot, length)
         if not self.capture:
-            self._fill(rows, batch)
+            self._fill(rows, batch, ids)
             return self.step(batch, length, lora)[:n]
         if self.cache is not lm.keys:  # the cache grew: every graph read the old one
             self.graphs.clear()
@@ -97,8 +112,8 @@ class DecodeGraphs:
                 self.graphs[key] = self._capture(batch, length, lora)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot be captured: the same step, eagerly
                 self._give_up(e)
-                return self.run(rows)
-        self._fill(rows, batch)
+                return self.run(rows, ids)
+        self._fill(rows, batch, ids)
         graph, logits = self.graphs[key]
         graph.replay()
         self.replays += 1
@@ -124,15 +139,33 @@ class DecodeGraphs:
         masks = self.lm.masks(adapters) if lora else [None] * len(self.lm.layouts)
         return self.lm.run(step, masks)
 
-    def _fill(self, rows: list[tuple[int, list[int], int, int]], batch: int) -> None:
+    def launch(self, rows: list[tuple[int, list[int], int, int]], ids: torch.Tensor | None = None) -> Launched:
+        """`run` for rows decoding greedily, without waiting for the device: each row's next token (the argmax of
+        its logits, as the engine draws a greedy row's) stays on the device, where the next launch reads it as
+        `ids`, and is copied to the host behind the step. So the host answers one step while the device runs the
+        next (serve.engine)."""
+        tokens = self.run(rows, ids).argmax(-1)
+        if tokens.device.type != "cuda":
+            return Launched(tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(tokens, host, done)
+
+    def _fill(self, rows: list[tuple[int, list[int], int, int]], batch: int, ids: torch.Tensor | None) -> None:
         """The rows' inputs into the static buffers, with padding rows (token 0 at position 0 of the scratch slot,
-        no adapter) after them: one copy to the device."""
+        no adapter) after them: one copy to the device, which does not wait for the steps before it (from pinned
+        memory, on CUDA); `ids`, already on the device, then stand for the rows' tokens."""
         pad = batch - len(rows)
-        host = torch.tensor([[tokens[0] for _, tokens, _, _ in rows] + [0] * pad,
+        host = torch.tensor([[0 if ids is not None else tokens[0] for _, tokens, _, _ in rows] + [0] * pad,
                              [start for _, _, start, _ in rows] + [0] * pad,
                              [slot for slot, *_ in rows] + [self.scratch] * pad,
                              [a for *_, a in rows] + [0] * pad])
-        self.inputs[:, :batch].copy_(host)
+        cuda = self.inputs.device.type == "cuda"
+        self.inputs[:, :batch].copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+        if ids is not None:
+            self.inputs[0, : len(rows)].copy_(ids)
 
     def _capture(self, batch: int, length: int, lora: bool):
         """A graph of `step` for this shape, its inputs all padding while it is warmed and captured (those runs
