@@ -141,3 +141,50 @@ def test_a_conversation_goes_through_the_chat_template(tokenizer):
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama's, Gemma's decoders: "▁" for a space, a character's UTF-8 bytes as
+    tokens where the vocabulary lacks it), made in code."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁",
+              *(chr(c) for c in range(33, 127)), "▁t", "he", "▁the", "▁q", "▁qu", "ic", "ick", "▁quick"]
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "q"), ("▁q", "u"), ("i", "c"), ("ic", "k"), ("▁qu", "ick")]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_streamed_text_is_the_whole_decode_and_each_token_decodes_a_few(tokenizer, kind, monkeypatch):
+    """The text streamed token by token is what one decode of every token gives, for words, characters of several
+    bytes split over tokens, runs of spaces, random text, and (byte-level) random ids; and each token decodes a
+    window of a few tokens, not the whole answer so far. (Random ids are no test for a byte-fallback decoder: a
+    byte that breaks a run of byte tokens turns the whole run into U+FFFD, text streamed already included.)"""
+    import random
+
+    from tunesmith.generate import DECODE_CONTEXT, Answer
+
+    tok = tokenizer if kind == "byte-level" else metaspace_tokenizer()
+    text = "the quick  brown fox — naïve café 日本語 🎭🎉 jumps\n\tover  the lazy dog. " * 6
+    rng = random.Random(0)
+    chars = "abc XYZ  .,!\n\téüß—日本語中文🎭🎉"
+    sequences = [tok(t, add_special_tokens=False)["input_ids"]
+                 for t in [text, *("".join(rng.choices(chars, k=300)) for _ in range(3))]]
+    if kind == "byte-level":
+        sequences += [[rng.randrange(len(tok)) for _ in range(200)] for _ in range(3)]
+    decoded = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+    for ids in sequences:
+        answer = Answer(tok, 1, [], len(ids))
+        streamed = "".join(answer.add(None, t).text for t in ids)
+        assert streamed == decode(ids, skip_special_tokens=True)
+    assert len(sequences[0]) > 150 and any("\ufffd" in decode([t]) for t in sequences[0])  # split characters
+    longest = 9 * DECODE_CONTEXT + 4  # the widest window (a few tokens more where boundaries are sparse)
+    whole = [n for n in decoded if n > longest]
+    assert len(whole) < len(decoded) // 50, (len(whole), len(decoded), sorted(whole)[-20:])
