@@ -53,6 +53,13 @@ slot (cache window 256); a step is timed as the median of 7 runs of 30 steps aft
 synchronised around each run). "mixed": the rows' adapters one, two, base in turn. "prefill 64": one 64-token
 chunk of adapter one beside 7 decoding rows (mixed), the step a prompt joins with (eager).
 
+--host times the engine's own work instead (serve.engine.Engine with its forward replaced by a stub that returns
+fixed logits at once): 8 greedy requests of 128 tokens together, over --model's tokenizer; a step's time is what the
+host spends per step beside the model (the queue, each row's token, text, stop rule and emitted response; with the
+stub's logits on the CPU, the argmax too). Median of --runs runs.
+
+    python bench/bench_serve.py --host [--model smollm2-135m-instruct] [--runs 7]
+
 Batch-invariance: 8 prompts of 12 to 19 tokens (adapters one, two, base in turn) decode 32 greedy tokens each alone
 (batch of 1), then all 8 together; "same" counts the answers whose tokens are identical, by default and with the
 deterministic mode. "graph vs eager": the largest logit difference between the captured step and the packed eager
@@ -487,6 +494,42 @@ def step_main(args) -> None:
                        "versions": versions("torch", "transformers", "peft", "triton"), "steps": out}, f, indent=2)
 
 
+def host_main(args) -> None:
+    """--host: the engine's work per step with the forward stubbed (see the module's docstring)."""
+    import threading
+    import types
+
+    import torch
+
+    from tunesmith.models import load_tokenizer, resolve_model
+    from tunesmith.serve.engine import Engine, Job
+
+    tokenizer = load_tokenizer(str(resolve_model(args.model, progress=False)))
+    logits = torch.randn(8, len(tokenizer), generator=torch.Generator().manual_seed(0))
+    logits[:, tokenizer.eos_token_id] = -1e9  # every answer runs its 128 tokens
+    stub = types.SimpleNamespace(adapter_index=lambda name: 0, move=lambda *a: None,
+                                 forward=lambda rows, want: logits[: sum(want)])
+    model = torch.nn.Linear(1, 1)
+    model.generation_config = types.SimpleNamespace(eos_token_id=tokenizer.eos_token_id)
+    engine = Engine(model, tokenizer, parallel=8)
+    engine._runner = stub
+    engine.start()
+    done = threading.Semaphore(0)
+    prompt = tokenizer("Tell me a story about the sea.")["input_ids"]
+    times = []
+    for _ in range(args.runs):
+        start, steps = time.perf_counter(), engine.steps
+        for _ in range(8):
+            engine.submit(Job(None, prompt, 128, 0.0, 1.0, 0, [], lambda r: r is None and done.release()))
+        for _ in range(8):
+            done.acquire()
+        times.append((time.perf_counter() - start) / (engine.steps - steps))
+    engine.close()
+    print(f"engine's own work, 8 greedy rows of 128 tokens, {args.model}'s tokenizer: "
+          f"{statistics.median(times) * 1e3:.3f} ms a step (median of {args.runs}; runs {min(times) * 1e3:.3f}"
+          f"-{max(times) * 1e3:.3f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -496,7 +539,8 @@ def main() -> None:
     ap.add_argument("--hf-reference", action=argparse.BooleanOptionalAction, default=None,
                     help="time transformers' generate on each base prompt alone (default: on CUDA)")
     ap.add_argument("--step", action="store_true", help="time the batched forward alone instead (see the docstring)")
-    ap.add_argument("--runs", type=int, default=7, help="--step: timed runs of 30 steps per row (the median)")
+    ap.add_argument("--host", action="store_true", help="time the engine's own work instead (see the docstring)")
+    ap.add_argument("--runs", type=int, default=7, help="--step: timed runs of 30 steps per row (the median); --host: runs")
     ap.add_argument("--clients", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reference-src", default="", help="another checkout's src/: its single stream, measured too")
@@ -507,6 +551,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.step:
         return step_main(args)
+    if args.host:
+        return host_main(args)
     if args.clients > len(PROMPTS):
         raise SystemExit(f"--clients at most {len(PROMPTS)}")
     hf = args.device == "cuda" if args.hf_reference is None else args.hf_reference
