@@ -63,7 +63,10 @@ stub's logits on the CPU, the argmax too). Median of --runs runs.
 Batch-invariance: 8 prompts of 12 to 19 tokens (adapters one, two, base in turn) decode 32 greedy tokens each alone
 (batch of 1), then all 8 together; "same" counts the answers whose tokens are identical, by default and with the
 deterministic mode. "graph vs eager": the largest logit difference between the captured step and the packed eager
-step on the same 8 rows, relative to the largest logit.
+step on the same 8 rows, relative to the largest logit. Then the same through the engine (serve.engine.Engine in
+this process, no HTTP; prompts of 20 to 41 tokens, 64 greedy tokens, adapters base, one, two in turn): each request
+alone twice, then the 8 together twice; "alone vs alone" and "together vs together" show whether a run repeats
+itself, "alone vs together" whether the batch moves an answer.
 """
 
 from __future__ import annotations
@@ -436,6 +439,50 @@ def batch_invariance(model, deterministic: bool, steps: int = 32) -> dict:
             "graph_vs_eager": check.get("graph_vs_eager", float("nan"))}
 
 
+def engine_invariance(model, deterministic: bool, tokens: int = 64) -> dict:
+    """Greedy tokens of 8 requests through the engine (serve.engine.Engine, in this process, no HTTP): each alone,
+    twice, then all 8 together, twice (see the module's docstring)."""
+    import threading
+    import types
+
+    from tunesmith.serve.engine import Engine, Job
+
+    model.generation_config = types.SimpleNamespace(eos_token_id=None)
+    tokenizer = types.SimpleNamespace(eos_token_id=None, decode=lambda ids, skip_special_tokens=True: " ".join(
+        f"w{i}" for i in ids))
+    engine = Engine(model, tokenizer, parallel=8, deterministic=deterministic)
+    engine.start()
+    prompts = [([10 + 7 * i + j for j in range(20 + 3 * i)], [None, "one", "two"][i % 3]) for i in range(8)]
+
+    def run(indices):
+        got, done = {i: [] for i in indices}, threading.Semaphore(0)
+        for i in indices:
+            def emit(item, i=i):
+                if item is None or isinstance(item, BaseException):
+                    done.release()
+                else:
+                    got[i].append(item.token)
+            engine.submit(Job(prompts[i][1], prompts[i][0], tokens, 0.0, 1.0, 0, [], emit))
+        for _ in indices:
+            done.acquire()
+        return [got[i] for i in indices]
+
+    try:
+        alone = [[run([i])[0] for i in range(8)] for _ in range(2)]
+        together = [run(list(range(8))) for _ in range(2)]
+    finally:
+        engine.close()
+
+    def first_diff(a, b):
+        return next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+    pairs = {"alone vs alone": (alone[0], alone[1]), "alone vs together": (alone[0], together[0]),
+             "together vs together": (together[0], together[1])}
+    return {name: {"same": sum(first_diff(x, y) is None for x, y in zip(a, b, strict=True)),
+                   "first_diff": [d for x, y in zip(a, b, strict=True) if (d := first_diff(x, y)) is not None]}
+            for name, (a, b) in pairs.items()}
+
+
 def step_main(args) -> None:
     """--step: the batched forward alone (see the module's docstring)."""
     import torch
@@ -487,9 +534,13 @@ def step_main(args) -> None:
     for mode, r in invariance.items():
         print(f"\nbatch-invariance, {mode}: {r['same']}/8 greedy answers (32 tokens) the same alone and 8 together; "
               f"first differing token at {r['first_diff']}; graph vs eager logits: {r['graph_vs_eager']:.2e}")
+    engine = {mode: engine_invariance(model, mode == "deterministic") for mode in ("default", "deterministic")}
+    for mode, r in engine.items():
+        print(f"through the engine, {mode} (64 tokens): " + "; ".join(
+            f"{name} {v['same']}/8 (first differing tokens {v['first_diff']})" for name, v in r.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "device": args.device, "invariance": invariance,
+            json.dump({"shape": args.shape, "device": args.device, "invariance": invariance, "engine": engine,
                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                        "versions": versions("torch", "transformers", "peft", "triton"), "steps": out}, f, indent=2)
 
