@@ -6,7 +6,8 @@ step, shared in arrival order: 64 on the CPU, 512 on an accelerator), so a long 
 decode for longer than a chunk. New requests join between steps, up to `parallel` at once, each in its own slot
 of a preallocated KV cache; an answer that ends (or whose client went away) leaves its slot at once, and the next
 request in line takes it. Each row applies its own adapter inside the forward; nothing is switched between
-requests.
+requests. Where the decode steps are captured CUDA graphs and every row decodes greedily, each step is launched
+before the host answers the one before it (`_decode_ahead`), so the host's work per token overlaps the GPU's.
 
 The sampling, stop rule and streamed text of each answer are `generate.Answer`, as for `tunesmith generate`, so a
 greedy answer is the one `generate` gives for that prompt alone. Requests wait in a bounded first-come, first-served
@@ -238,7 +239,7 @@ class Engine:
         waits for a free slot or is cancelled, a row's next token is its last, or a row ends (a row that ended
         was computed one step more, for nothing)."""
         rows = sorted(active, key=lambda r: r.slot)
-        launched, ending = None, False
+        ending = False
         try:
             launched = self._runner.launch([(r.slot, r.pending, r.cached, r.adapter) for r in rows])
             while launched is not None:
