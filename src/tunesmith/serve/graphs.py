@@ -88,9 +88,14 @@ class DecodeGraphs:
             return self.batches[-1], allocated
         return pick(rows, self.batches), length_bucket(length, allocated)
 
-    def run(self, rows: list[tuple[int, list[int], int, int]], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits after each row's one new token, [rows, vocab]; the rows are (slot, [token], cached, adapter).
-        ids: the rows' tokens as a tensor on the device (a launched step's; see `launch`) instead of the rows'."""
+    def run(self, rows: list[tuple[int, list[int], int, int]]) -> torch.Tensor:
+        """Logits after each row's one new token, [rows, vocab]; the rows are (slot, [token], cached, adapter)."""
+        logits = self._logits(rows, None)
+        return logits.clone() if self.capture else logits  # the next replay overwrites a graph's output
+
+    def _logits(self, rows: list[tuple[int, list[int], int, int]], ids: torch.Tensor | None) -> torch.Tensor:
+        """The step's logits: a graph's own output where one replayed (valid until the next replay), else the
+        static step's. ids: the rows' tokens as a tensor on the device (a launched step's; see `launch`)."""
         lm = self.lm
         n = len(rows)
         lm.ensure_length(max(start + 1 for _, _, start, _ in rows))
@@ -112,12 +117,12 @@ class DecodeGraphs:
                 self.graphs[key] = self._capture(batch, length, lora)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot be captured: the same step, eagerly
                 self._give_up(e)
-                return self.run(rows, ids)
+                return self._logits(rows, ids)
         self._fill(rows, batch, ids)
         graph, logits = self.graphs[key]
         graph.replay()
         self.replays += 1
-        return logits[:n].clone()  # the next replay overwrites the graph's output
+        return logits[:n]
 
     def warm(self, length: int = LENGTH_MIN) -> None:
         """Capture every batch bucket at the shortest cache length (with and without LoRA) before requests come."""
@@ -144,7 +149,7 @@ class DecodeGraphs:
         its logits, as the engine draws a greedy row's) stays on the device, where the next launch reads it as
         `ids`, and is copied to the host behind the step. So the host answers one step while the device runs the
         next (serve.engine)."""
-        tokens = self.run(rows, ids).argmax(-1)
+        tokens = self._logits(rows, ids).argmax(-1)  # read before the next replay, in the stream's order
         if tokens.device.type != "cuda":
             return Launched(tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
