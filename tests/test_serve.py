@@ -401,6 +401,19 @@ def test_the_static_decode_step_gives_the_packed_steps_logits_and_writes_only_it
     assert twins[1].keys[:, (1, 3)].isnan().all()  # slots no row holds: untouched
 
 
+def test_warming_the_eager_step_writes_only_the_scratch_slot(served_tiny):
+    """BatchedLM.warm runs the packed step at each power of two up to the prefill chunk, base and adapter, in the
+    scratch slot alone: every other slot keeps its (NaN) memory, and rows read afterwards get their own forward's
+    logits."""
+    model, tok = served_tiny.model, served_tiny.tokenizer
+    lm = poisoned_lm(model, slots=3)
+    lm.warm(32)
+    assert not lm.keys[:, 3, :32].isnan().any()  # the scratch slot: written
+    assert lm.keys[:, :3].isnan().all() and lm.values[:, :3].isnan().all()
+    prompts = [tok(p)["input_ids"] for p in ("ROMEO: But soft", "JULIET:")]
+    assert_rows_are_their_own_forward(lm, model, (1, 0), prompts, [None, "poet"], token=5)
+
+
 def test_the_deterministic_mode_gives_a_row_the_same_bits_alone_and_in_a_batch(served_tiny):
     """--deterministic: a row's logits do not depend on what else is in the batch, to the last bit: prompts read
     alone, decode at the one fixed shape (here the eager static step; on CUDA its graph)."""

@@ -116,8 +116,10 @@ class Engine:
 
     def start(self) -> None:
         if self._thread is None:
-            self._runner = self._runner or make_runner(self.model, self.tokenizer, self.parallel,
-                                                       self.deterministic)
+            if self._runner is None:
+                self._runner = make_runner(self.model, self.tokenizer, self.parallel, self.deterministic)
+                if getattr(self._runner, "decode_ahead", False):  # captured graphs: a GPU, kernels loaded lazily
+                    self._runner.warm(self.prefill_chunk)
             self._closing = False
             self._thread = threading.Thread(target=self._run, name="tunesmith-generate", daemon=True)
             self._thread.start()
