@@ -662,6 +662,7 @@ def main() -> None:
                        "deterministic": args.deterministic, "clients": args.clients, "max_tokens": args.max_tokens,
                        "results": groups, "hf_generate": reference,
                        "rows": {k: v["rows"] for k, v in raw.items() if k in runs},
+                       "alone_rows": [{"model": m, "prompt": p, **r} for (m, p), r in raw["alone"].items()],
                        "llama_cpp_rows": {q: v["base"]["rows"] for q, v in llama.items()}}, f, indent=2)
 
 

@@ -30,10 +30,12 @@ On CUDA a step where every row decodes one token replays a CUDA graph (serve.gra
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tunesmith.serve import grouped_lora
 from tunesmith.serve.graphs import make_graphs
@@ -286,13 +288,18 @@ class BatchedLM:
         return [per_adapter[adapters] for per_adapter in self.layouts]
 
     def run(self, step: Step, masks: list[torch.Tensor | None]) -> torch.Tensor:
-        """The model over a planned step: the next-token logits at `step.logits_at`, as float32."""
+        """The model over a planned step: the next-token logits at `step.logits_at`, as float32.
+
+        In the deterministic mode attention takes PyTorch's math kernel: on an H100 the fused kernel it picks for
+        a decode step over the whole cache (8 rows, 4,096 positions) gave a row other bits, now and then, for the
+        same inputs (the math kernel: the same bits every time)."""
         model = self.inner.model
         x = model.embed_tokens(step.ids)
         cos, sin = model.rotary_emb(x, step.positions[None])
         cos, sin = cos[0], sin[0]
-        for i, (layer, linears) in enumerate(zip(model.layers, self.layers, strict=True)):
-            x = self._layer(i, layer, linears, x, cos, sin, step, masks)
+        with sdpa_kernel(SDPBackend.MATH) if self.deterministic else contextlib.nullcontext():
+            for i, (layer, linears) in enumerate(zip(model.layers, self.layers, strict=True)):
+                x = self._layer(i, layer, linears, x, cos, sin, step, masks)
         x = model.norm(x if step.logits_at is None else x[step.logits_at])
         if self.head is not None and x.shape[0] > 1:
             # weight @ x^T rather than x @ weight^T: MKL's product over a vocabulary-long weight (113 MB for
