@@ -840,6 +840,40 @@ def test_without_the_serve_extra_the_error_names_it(monkeypatch, capsys):
     assert "pip install 'tunesmith[serve]'" in capsys.readouterr().err
 
 
+def test_serve_starts_the_engine_and_freezes_what_is_loaded_before_it_listens(tiny_dir, monkeypatch):
+    """Before the first request: the engine runs (its graphs and warm-up done) and the loaded objects are frozen
+    (gc.freeze), so a full collection while serving does not walk the model's and libraries' objects."""
+    import gc
+
+    import tunesmith.serve as serve_module
+
+    seen, started = {}, []
+
+    class Server:
+        def __init__(self, app, sock, log_level):
+            self.sock = sock
+
+        def run(self, sockets):
+            seen["frozen"] = gc.get_freeze_count()
+            seen["running"] = [e._thread is not None and e._thread.is_alive() for e in started]
+            self.sock.close()
+
+    from tunesmith.serve.engine import Engine
+
+    start = Engine.start
+    monkeypatch.setattr(Engine, "start", lambda self: (started.append(self), start(self))[1])
+    monkeypatch.setattr(serve_module, "_server", Server)
+    gc.unfreeze()
+    try:
+        serve_module.serve(ServeConfig(model=str(tiny_dir), device="cpu", port=0))
+    finally:
+        gc.unfreeze()
+        for engine in started:
+            engine.close()
+    assert seen["frozen"] > 10_000
+    assert seen["running"] == [True]
+
+
 def test_serve_flags_are_checked_before_anything_loads(capsys):
     from tunesmith.cli import main
 

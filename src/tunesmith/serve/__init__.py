@@ -9,6 +9,7 @@ bounded first-come, first-served queue), `api` speaks HTTP (FastAPI on uvicorn: 
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import threading
 from collections.abc import Iterator
@@ -35,7 +36,14 @@ def serve(cfg: ServeConfig) -> None:
 
     sock = listen(cfg.host, cfg.port)  # a port in use fails now, not after the model loads
     served = load_served(cfg)
-    app = build_app(served, Engine(served.model, served.tokenizer, cfg.parallel, deterministic=cfg.deterministic), cfg.api_key, cfg.max_tokens)
+    engine = Engine(served.model, served.tokenizer, cfg.parallel, deterministic=cfg.deterministic)
+    app = build_app(served, engine, cfg.api_key, cfg.max_tokens)
+    engine.start()  # graphs captured and kernels warmed before the first request (the app's start finds it running)
+    # What is loaded now lives as long as the process: frozen, out of the collector's sight, a full collection no
+    # longer walks its half a million objects (0.2 s on the 2-core CPU with SmolLM2 loaded, while the engine's
+    # thread and the event loop wait)
+    gc.collect()
+    gc.freeze()
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     names = ", ".join([served.base_name, *served.adapters])
