@@ -66,7 +66,10 @@ deterministic mode. "graph vs eager": the largest logit difference between the c
 step on the same 8 rows, relative to the largest logit. Then the same through the engine (serve.engine.Engine in
 this process, no HTTP; prompts of 20 to 41 tokens, 64 greedy tokens, adapters base, one, two in turn): each request
 alone twice, then the 8 together twice; "alone vs alone" and "together vs together" show whether a run repeats
-itself, "alone vs together" whether the batch moves an answer.
+itself, "alone vs together" whether the batch moves an answer. Before that, whether a step repeats itself at all:
+one row (a 30-token prompt, adapter one) decoded 100 greedy steps 4 times over in one batched model, by default
+and with the deterministic mode; printed, per repeat, the first step whose logits differ in any bit from the first
+run's.
 """
 
 from __future__ import annotations
@@ -439,6 +442,27 @@ def batch_invariance(model, deterministic: bool, steps: int = 32) -> dict:
             "graph_vs_eager": check.get("graph_vs_eager", float("nan"))}
 
 
+def repeats(model, deterministic: bool, steps: int = 100, times: int = 4) -> list[int | None]:
+    """One row (adapter one, a 30-token prompt, slot 0) decoded greedily `steps` steps, `times` times over, in one
+    batched model of 8 slots: for each repeat after the first, the first step whose logits differ from the first
+    run's in any bit (None: none)."""
+    import torch
+
+    from tunesmith.serve.batch import BatchedLM
+
+    lm = BatchedLM(model, slots=8, context=4096, deterministic=deterministic)
+    runs = []
+    for _ in range(times):
+        logits, cached, run = lm.forward([(0, [7 + j for j in range(30)], 0, 1)], [True])[0], 30, []
+        for _ in range(steps):
+            logits = lm.forward([(0, [int(logits.argmax())], cached, 1)], [True])[0]
+            run.append(logits.cpu())
+            cached += 1
+        runs.append(run)
+    return [next((k for k, (a, b) in enumerate(zip(runs[0], r, strict=True)) if not torch.equal(a, b)), None)
+            for r in runs[1:]]
+
+
 def engine_invariance(model, deterministic: bool, tokens: int = 64) -> dict:
     """Greedy tokens of 8 requests through the engine (serve.engine.Engine, in this process, no HTTP): each alone,
     twice, then all 8 together, twice (see the module's docstring)."""
@@ -534,13 +558,18 @@ def step_main(args) -> None:
     for mode, r in invariance.items():
         print(f"\nbatch-invariance, {mode}: {r['same']}/8 greedy answers (32 tokens) the same alone and 8 together; "
               f"first differing token at {r['first_diff']}; graph vs eager logits: {r['graph_vs_eager']:.2e}")
+    repeated = {mode: repeats(model, mode == "deterministic") for mode in ("default", "deterministic")}
+    for mode, r in repeated.items():
+        print(f"one row decoded 100 steps 4 times over, {mode}: first step whose logits differ from the first "
+              f"run's, per repeat: {r}")
     engine = {mode: engine_invariance(model, mode == "deterministic") for mode in ("default", "deterministic")}
     for mode, r in engine.items():
         print(f"through the engine, {mode} (64 tokens): " + "; ".join(
             f"{name} {v['same']}/8 (first differing tokens {v['first_diff']})" for name, v in r.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "device": args.device, "invariance": invariance, "engine": engine,
+            json.dump({"shape": args.shape, "device": args.device, "invariance": invariance, "repeats": repeated,
+                       "engine": engine,
                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                        "versions": versions("torch", "transformers", "peft", "triton"), "steps": out}, f, indent=2)
 
