@@ -17,7 +17,9 @@ with one request, then asked:
 Per client: time to first token, decode tokens/s (completion tokens after the first / time from the first text
 chunk to the last) and whether its answer equals what the same (prompt, model) got alone. In total: completion
 tokens of all clients / wall time from the first request to the last answer; "x alone" divides that by the same
-figure for the alone requests (tokens / the sum of their times). --reference-src starts a second server beside the
+figure for the alone requests (tokens / the sum of their times); a line after the table gives it again with every
+alone request's time to first token at their median, as one slow first token among the alone requests raises
+"x alone". --reference-src starts a second server beside the
 first from another checkout's src/ (the code before a change, say), and asks it each base request alone right after
 the first server answers it, so that the two single streams meet the same load on a shared machine: compare its
 decode tok/s per client with "alone, base only".
@@ -314,10 +316,15 @@ async def measure(url: str, runs: dict[str, list[tuple[str, str]]], max_tokens: 
 
 def summary(rows: list[dict], wall: float | None = None, alone: dict | None = None) -> dict:
     tokens = sum(r["tokens"] for r in rows)
+    one_at_a_time = wall is None
     wall = wall if wall is not None else sum(r["end"] - r["sent"] for r in rows)
     same = sum(r["text"] == alone[(r["model"], r["prompt"])]["text"] for r in rows) if alone else len(rows)
-    return {"ttft_median": statistics.median(r["ttft"] for r in rows), "ttft_max": max(r["ttft"] for r in rows),
+    ttft = statistics.median(r["ttft"] for r in rows)
+    # one slow first token weighs on a sum of requests one at a time: the same total with each at the median
+    typical = tokens / (wall - sum(r["ttft"] for r in rows) + ttft * len(rows)) if one_at_a_time else None
+    return {"ttft_median": ttft, "ttft_max": max(r["ttft"] for r in rows),
             "tps_median": statistics.median(r["tps"] for r in rows), "tokens": tokens, "total_tps": tokens / wall,
+            "total_tps_median_ttft": typical,
             "complete": sum(bool(r["finish"]) and bool(r["text"]) for r in rows), "same": same, "n": len(rows)}
 
 
@@ -333,6 +340,10 @@ def table(groups: dict[str, dict[str, dict]]) -> None:
             print(f"| {server} | {name} | {clients} | {s['complete']}/{s['n']} | {s['same']}/{s['n']} | "
                   f"{s['ttft_median']:.2f} / {s['ttft_max']:.2f} | {s['tps_median']:.1f} | {s['total_tps']:.1f} | "
                   f"{s['total_tps'] / reference:.2f} |")
+    for server, results in groups.items():
+        typical = results["alone"]["total_tps_median_ttft"]
+        print(f"{server}: x alone with every alone request's time to first token at their median: " + ", ".join(
+            f"{name} {s['total_tps'] / typical:.2f}" for name, s in results.items() if "together" in name))
 
 
 def measure_llama_cpp(args, base: list[tuple[str, str]], folder: Path) -> dict[str, dict]:
