@@ -292,7 +292,9 @@ class BatchedLM:
 
         In the deterministic mode attention takes PyTorch's math kernel: on an H100 the fused kernel it picks for
         a decode step over the whole cache (8 rows, 4,096 positions) gave a row other bits, now and then, for the
-        same inputs (the math kernel: the same bits every time)."""
+        same inputs (the math kernel: the same bits every time). PyTorch's backend switches are process-wide: a
+        second engine stepping at that moment in another thread would take the math kernel too (one server runs
+        one engine)."""
         model = self.inner.model
         x = model.embed_tokens(step.ids)
         cos, sin = model.rotary_emb(x, step.positions[None])
