@@ -438,19 +438,6 @@ class PerRow:
         return self.adapters.index(name)
 
     @torch.inference_mode()
-    def warm(self, tokens: int) -> None:
-        """Run the packed eager step once at each power of two up to `tokens` tokens (over the base and, with
-        adapters, the first one), in the scratch slot the decode graphs' padding rows write to. On CUDA the first
-        step of a size pays once for what later ones reuse (its kernels loaded, its memory reserved): without
-        this, the first burst of eight prompts on the 1B shape waited about 0.1 s longer than the next burst."""
-        scratch = self.slots
-        n = 2
-        while n <= min(tokens, self.context):
-            for adapter in range(min(2, len(self.adapters))):
-                self._eager([(scratch, [0] * n, 0, adapter)], [True])
-            n *= 2
-
-    @torch.inference_mode()
     def forward(self, rows: list[tuple[int, list[int], int, int]], want: list[bool]) -> torch.Tensor:
         from transformers import DynamicCache
 
