@@ -408,7 +408,8 @@ class ServeConfig(Config):
                         bounds=AT_LEAST_1)
     deterministic: bool = opt(False, "answers that do not depend on the other requests in the batch, bit for bit "
                               "(each prompt read alone; every decode step at the full --parallel batch over the "
-                              "whole cache): slower, for reproducible bf16 answers on a GPU")
+                              "whole cache; attention on PyTorch's math kernel): slower, for reproducible bf16 "
+                              "answers on a GPU")
     device: str = same_as(ModelConfig, "device")
     precision: str = same_as(ModelConfig, "precision")
     trust_remote_code: bool = same_as(ModelConfig, "trust_remote_code")
