@@ -431,6 +431,32 @@ def test_the_deterministic_mode_gives_a_row_the_same_bits_alone_and_in_a_batch(s
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
+def test_the_deterministic_mode_attends_with_the_math_kernel_only(served_tiny, monkeypatch):
+    """--deterministic takes PyTorch's math attention (the fused kernel picked on an H100 did not repeat its bits
+    for the same inputs), prefill and decode; the default mode leaves the fused kernels on."""
+    from torch.backends import cuda
+
+    from tunesmith.serve import batch
+    from tunesmith.serve.batch import BatchedLM
+
+    seen, attend = [], batch.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((cuda.math_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+                     cuda.cudnn_sdp_enabled()))
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(batch.F, "scaled_dot_product_attention", spy)
+    ids = served_tiny.tokenizer("ROMEO: But soft")["input_ids"]
+    for deterministic in (True, False):
+        seen.clear()
+        lm = BatchedLM(served_tiny.model, slots=2, context=64, deterministic=deterministic)
+        first = lm.forward([(0, ids, 0, 1)], [True])[0]
+        lm.forward([(0, [int(first.argmax())], len(ids), 1)], [True])
+        assert seen and set(seen) == ({(True, False, False, False)} if deterministic else {(True, True, True, True)})
+    assert (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == (True, True)  # switched back after
+
+
 def test_a_capture_that_fails_falls_back_to_the_same_step_eagerly(served_tiny, monkeypatch, capsys):
     """A kernel that cannot be captured (a quantized base's, say): the step runs eagerly, once said, with the
     same logits."""
