@@ -62,7 +62,7 @@ def random_text(path: Path, tokens: int, seed: int = 0) -> Path:
 def run(a, folder: Path, data: str, quantize: bool, out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tunesmith.cli", "train", "--model", str(folder), "--data", data,
            "--seq-len", str(a.seq), "--batch-size", "1", "--max-steps", str(a.steps), "--device", a.device,
-           "--output", str(out), "--overwrite", *(["--quantize-base", "nf4"] if quantize else [])]
+           "--output", str(out), "--overwrite", *(["--quantize-base", "nf4"] if quantize else []), *a.train_args.split()]
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (closed with the process, below)
     env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                                                    os.environ.get("PYTHONPATH")]))}
@@ -154,6 +154,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--budget-gib", type=float, default=16.0)
+    ap.add_argument("--train-args", default="", help="more `tunesmith train` flags for both runs (a probe: the "
+                    "acceptance check itself is the defaults), e.g. '--lora-dropout 0'")
     ap.add_argument("--parallel", action="store_true", help="both runs at once (peaks are per process)")
     ap.add_argument("--workdir", default="/tmp/tt-bench")
     ap.add_argument("--out", default="", help="the JSON report (default: <workdir>/qlora-acceptance.json); with "

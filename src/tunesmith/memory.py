@@ -504,7 +504,10 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         # Offloaded, two inputs at most are on the device at once: the one being copied out while the next layer
         # computes (its memory held until the copy has read it) or, backward, the one in use and the next one
         # being copied back.
-        one = (layer + lora // kept) * tokens + 2 * scores + fixed // kept
+        # While its backward runs, that layer also holds the gradients of its gated MLP's gate and up projections,
+        # made together from the SwiGLU product's gradient, beside what it kept (measured on CUDA: the offloaded
+        # rows' peaks sat that much above the plan).
+        one = (layer + lora // kept) * tokens + 2 * scores + fixed // kept + 2 * shape.intermediate * a * tokens
         inputs = min(OFFLOADED_INPUTS, shape.layers) if s.offloaded else shape.layers
         activations = inputs * shape.hidden * residual * tokens + max(0, one - logits)
     else:
