@@ -503,10 +503,7 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         # where it outweighs the logits peak.
         # Offloaded, two inputs at most are on the device at once: the one being copied out while the next layer
         # computes (its memory held until the copy has read it) or, backward, the one in use and the next one
-        # being copied back.
-        # While its backward runs, that layer also holds the gradients of its gated MLP's gate and up projections,
-        # made together from the SwiGLU product's gradient, beside what it kept (measured on CUDA: the offloaded
-        # rows' peaks sat that much above the plan).
+        # being copied back. While its backward runs, that layer also holds its MLP's gate and up gradients.
         one = (layer + lora // kept) * tokens + 2 * scores + fixed // kept + 2 * shape.intermediate * a * tokens
         inputs = min(OFFLOADED_INPUTS, shape.layers) if s.offloaded else shape.layers
         activations = inputs * shape.hidden * residual * tokens + max(0, one - logits)
