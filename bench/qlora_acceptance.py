@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -62,7 +63,7 @@ def random_text(path: Path, tokens: int, seed: int = 0) -> Path:
 def run(a, folder: Path, data: str, quantize: bool, out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tunesmith.cli", "train", "--model", str(folder), "--data", data,
            "--seq-len", str(a.seq), "--batch-size", "1", "--max-steps", str(a.steps), "--device", a.device,
-           "--output", str(out), "--overwrite", *(["--quantize-base", "nf4"] if quantize else []), *a.train_args.split()]
+           "--output", str(out), "--overwrite", *(["--quantize-base", "nf4"] if quantize else []), *shlex.split(a.train_args)]
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (closed with the process, below)
     env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                                                    os.environ.get("PYTHONPATH")]))}
