@@ -9,7 +9,7 @@ exact config of a known model), run `tunesmith.train.train` for a few steps (it 
 to fit.json), and measure:
 
 - cuda: torch.cuda.max_memory_allocated over the run, against the whole prediction (weights included);
-- cpu:  the whole process's peak RSS (ru_maxrss, the figure `train` reports), against the whole prediction
+- cpu:  the whole process's peak RSS (VmHWM, the figure `train` reports), against the whole prediction
         (runtime, weights and glibc's slack included). The run is a user's: the built-in tokenizer, the built-in
         Shakespeare data, then the model, with glibc's default allocator (MALLOC_* variables are removed).
 - --demo (cpu): `tunesmith demo --max-steps 3` in its own process; its report's predicted and measured peak.
@@ -249,7 +249,7 @@ def hardware(device: str) -> str:
 
 def markdown(rows: list[dict], device: str) -> str:
     what = ("torch.cuda.max_memory_allocated (weights included)" if device == "cuda" else
-            "the whole process's peak RSS (ru_maxrss), glibc's default allocator")
+            "the whole process's peak RSS (VmHWM), glibc's default allocator")
     lines = [f"Hardware: {hardware(device)}; date {time.strftime('%Y-%m-%d')}; measured: {what}.", "",
              "| case | model | seq | batch | LoRA | precision | ckpt | predicted GiB | measured GiB | error |",
              "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |"]

@@ -6,7 +6,7 @@ steps, each in its own process (Liger and Unsloth patch transformers classes glo
 - tokens/s: micro-batch x seq tokens per step over the mean step time after the warm-up steps, the last step
   left out (the clock reads at each step's end, after a CUDA synchronize);
 - peak memory: torch.cuda.max_memory_allocated over the whole run on CUDA (loading included), the process's
-  peak RSS (ru_maxrss) on the CPU;
+  own peak RSS (VmHWM: tunesmith.device.peak_rss_bytes) on the CPU;
 - MFU (CUDA): FLOPs per token x tokens/s over the bf16 matmul peak measured first (8192^3 torch.matmul).
   FLOPs per token = 6 x LoRA parameters + 4 x frozen parameters (the decoder's linears and the output head,
   counted once whether tied or not; the embedding is a lookup) + 12 x layers x seq x hidden for attention
@@ -48,7 +48,6 @@ import dataclasses
 import itertools
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -260,6 +259,8 @@ def worker(a) -> dict:
         import unsloth  # noqa: F401
     import torch
 
+    from tunesmith.device import peak_rss_bytes
+
     row, folder = ROWS[a.row], Path(a.model_dir)
     torch.manual_seed(0)
     data = examples(row, a.steps, folder)
@@ -269,7 +270,7 @@ def worker(a) -> dict:
     timed = times[a.warmup:-1] or times
     tps = row.batch * row.seq / (sum(timed) / len(timed))
     peak = (torch.cuda.max_memory_allocated() if a.device == "cuda"  # the whole run's, loading included
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            else peak_rss_bytes())
     fpt = flops_per_token(json.loads((folder / "config.json").read_text()), row)
     mfu = fpt * tps / a.peak_flops if a.peak_flops else None
     return {"tokens_per_s": tps, "peak_gib": peak / GIB, "mfu": mfu, "steps": len(times),

@@ -244,3 +244,34 @@ def test_the_cpu_bf16_speed_is_measured_once_and_kept_in_the_cache(monkeypatch, 
     assert D.cpu_bf16_speedup() == 9.0  # read back, not measured again
     (tmp_path / "cpu-bf16.json").write_text("not json")
     assert D.cpu_bf16_speedup() > 0  # a damaged cache is measured over
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and execve's kept high-water mark: Linux")
+def test_the_cpu_peak_is_the_process_own_not_the_peak_of_what_launched_it():
+    """getrusage's ru_maxrss starts a launched program at its launcher's peak; a 1.5 GiB parent must not make a small
+    child report 1.5 GiB (a benchmark harness reported a 1.45 GiB run as 4.85 GiB that way)."""
+    import subprocess
+
+    ballast = b"x" * (3 * GIB // 2)  # this process's resident peak is now above 1.5 GiB
+    code = "import torch; from tunesmith.device import peak_memory_bytes; print(peak_memory_bytes(torch.device('cpu')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    del ballast
+    child = int(out.stdout.split()[-1])
+    assert 50 * 2**20 < child < GIB  # the child's own peak: an interpreter with torch imported
+
+
+@pytest.mark.skipif(D._malloc_trim() is None, reason="glibc's malloc_trim")
+def test_release_heap_gives_freed_heap_blocks_back():
+    """Blocks freed between blocks still in use stay resident until the heap is trimmed."""
+    import psutil
+
+    me = psutil.Process()
+    blocks = [b"\1" * 100_000 for _ in range(6000)]  # 100 kB blocks: from the heap, one after another
+    before = me.memory_info().rss
+    del blocks[::2]  # every other one freed: holes between blocks in use, which the heap cannot shrink past
+    freed = me.memory_info().rss
+    D.release_heap()
+    after = me.memory_info().rss
+    del blocks
+    assert before - after > 200 * 2**20 and freed - after > 200 * 2**20, (before, freed, after)

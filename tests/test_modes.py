@@ -152,6 +152,23 @@ def test_streaming_load_equals_quantizing_the_loaded_model(tiny_dir, tokenizer):
     assert torch.equal(_logits(streamed, ids), _logits(quantize_base(plain, "nf4"), ids))
 
 
+def test_loading_a_quantized_base_hands_freed_memory_back_once_per_layer(tiny_dir, monkeypatch):
+    """The full-precision copies freed while a base is quantized go back to the OS every TRIM_EVERY linears, in the
+    streaming load and in place (tunesmith.device.release_heap says why)."""
+    import tunesmith.qlora as Q
+    from tunesmith.models import load_model
+
+    calls = []
+    monkeypatch.setattr(Q, "release_heap", lambda: calls.append(1))
+    model = Q.load_quantized_base(Path(tiny_dir), torch.device("cpu"), torch.float32, "nf4")
+    linears = sum(isinstance(m, Q.QuantLinear) for m in model.modules())
+    assert linears >= Q.TRIM_EVERY and len(calls) == linears // Q.TRIM_EVERY
+    calls.clear()
+    plain, _ = load_model(str(tiny_dir))
+    Q.quantize_base(plain, "int8")
+    assert len(calls) == linears // Q.TRIM_EVERY
+
+
 def test_streaming_load_declines_tensor_names_it_does_not_know(tmp_path, tokenizer):
     from safetensors.torch import load_file, save_file
 

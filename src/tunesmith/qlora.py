@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tunesmith.device import release_heap
 from tunesmith.errors import TunesmithError, missing_extra
 from tunesmith.quantformat import pack_int4, unpack_int4
 
@@ -38,6 +39,7 @@ SCHEMES = ("nf4", "int4", "int8", "fp8")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's (and the QLoRA paper's) defaults
 INT4_GROUP = 64
 SCALE_DTYPE = torch.float16
+TRIM_EVERY = 8  # quantized linears between two release_heap calls: about one decoder layer's
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
@@ -268,10 +270,12 @@ def quant_targets(model: torch.nn.Module, scheme: str) -> list[str]:
 def quantize_base(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
     """Replace the model's linears (not its output head) by QuantLinears in place, one at a time; returns it."""
     check_scheme(scheme, next((p.device for p in model.parameters()), None))
-    for name in quant_targets(model, scheme):
+    for i, name in enumerate(quant_targets(model, scheme), 1):
         linear = model.get_submodule(name)
         _set(model, name, QuantLinear.from_weight(linear.weight, scheme, linear.bias))
         del linear
+        if i % TRIM_EVERY == 0:
+            release_heap()
     return model
 
 
@@ -404,6 +408,7 @@ def load_quantized_base(folder: Path, device: torch.device, dtype: torch.dtype, 
     targets = set(quant_targets(model, scheme))
     params = dict(model.named_parameters())
     pending: dict[str, dict[str, torch.Tensor]] = {}  # a target's weight waits for its bias, and the reverse
+    done = 0
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has keys(), not iteration)
@@ -421,6 +426,9 @@ def load_quantized_base(folder: Path, device: torch.device, dtype: torch.dtype, 
                     if "weight" in parts and (linear.bias is None or "bias" in parts):
                         _set(model, owner, QuantLinear.from_weight(parts["weight"], scheme, parts.get("bias")))
                         del pending[owner]
+                        done += 1
+                        if done % TRIM_EVERY == 0:
+                            release_heap()  # the freed full-precision copies, back to the OS (see there)
                 else:
                     module = model.get_submodule(owner)
                     setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
