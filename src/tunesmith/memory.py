@@ -214,6 +214,7 @@ class TrainSetup:
     recompute: bool = False  # --recompute: norms and the gated MLP keep their inputs only (where the model allows)
     base_calibration: int = 0  # --base-calibration: blocks GPTQ calibrates the quantized base on, before training
     nf4_kernels: bool = False  # the nf4 base's products through tunesmith.kernels.nf4 (CUDA, Triton, fast paths)
+    liger_loss: bool = False  # the fused loss through Liger's kernels (CUDA, liger-kernel installed; not FSDP2)
 
     @property
     def full(self) -> bool:
@@ -345,6 +346,21 @@ def layer_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
     # gated MLP keeps gate (for SiLU), SiLU(gate) and up (for the product); --recompute: gate and up only
     total += (2 if _lean(shape, s) else 3) * shape.intermediate * a
     return total
+
+
+def fused_loss_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """The fused loss's chunk at its largest, beside the supervised rows' hidden states and their gradient (which
+    the loss computes in the forward pass and keeps). The plain chunks: one chunk's fp32 logits (softmax and
+    gradient in the same memory) and, under autocast, their half copy. Liger's (a frozen output layer): one chunk's
+    logits in the compute dtype, turned into their own gradient in place, and every row's fp32 loss."""
+    from tunesmith.kernels.liger_loss import liger_chunk_rows
+    from tunesmith.kernels.loss import chunk_rows
+
+    a = 4 if s.precision == "fp32" else 2
+    n = s.batch_size * (s.seq_len - 1)
+    if s.liger_loss and not (s.full and s.num_layers <= 0):
+        return liger_chunk_rows(n, shape.hidden, shape.vocab) * shape.vocab * a + 4 * n
+    return min(n, chunk_rows(s.device_type, shape.vocab)) * shape.vocab * (4 if s.precision == "fp32" else 6)
 
 
 def _lean(shape: ModelShape, s: TrainSetup) -> bool:
@@ -489,12 +505,7 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     scores = 0 if s.fused_sdpa else s.batch_size * shape.heads * s.seq_len**2 * a
     logits = LOGITS_BYTES_PER_VOCAB * shape.vocab * s.batch_size * (s.seq_len - 1)
     if s.fused_loss:
-        # One chunk's fp32 logits (softmax and gradient in the same memory) and, under autocast, their half copy;
-        # the supervised rows' hidden states and their gradient, computed in the forward pass and kept.
-        from tunesmith.kernels.loss import chunk_rows
-
-        rows = min(s.batch_size * (s.seq_len - 1), chunk_rows(s.device_type, shape.vocab))
-        logits = rows * shape.vocab * (4 if s.precision == "fp32" else 6) + 2 * s.batch_size * s.seq_len * shape.hidden * a
+        logits = fused_loss_bytes(shape, s) + 2 * s.batch_size * s.seq_len * shape.hidden * a
         if s.full and s.num_layers <= 0:  # the head trains: its fp32 gradient, built in the forward pass and kept,
             logits += 2 * shape.vocab * shape.hidden * 4  # then scaled into a second one as backward starts
     if s.gradient_checkpointing:
@@ -764,6 +775,7 @@ def plan_run(
         strategy=getattr(cfg, "strategy", "ddp"), recompute=bool(getattr(cfg, "recompute", True)) and getattr(cfg, "fast_paths", "auto") == "auto",
         base_calibration=int(getattr(cfg, "base_calibration", 0)) if not getattr(cfg, "resume", False) else 0,
         nf4_kernels=_nf4_kernels(cfg, device),
+        liger_loss=_liger_loss(cfg, device, world),
     )
     p = plan(shape, setup, total, available)
     if auto:
@@ -779,6 +791,14 @@ def _nf4_kernels(cfg, device: torch.device) -> bool:
 
     return (device.type == "cuda" and getattr(cfg, "fast_paths", "auto") == "auto"
             and getattr(cfg, "quantize_base", "none") == "nf4" and triton_available())
+
+
+def _liger_loss(cfg, device: torch.device, world: int) -> bool:
+    """Whether train's fused loss runs through Liger's kernels (tunesmith.kernels.liger_loss) for this run."""
+    from tunesmith.kernels.liger_loss import liger_available
+
+    fsdp = getattr(cfg, "strategy", "ddp") == "fsdp" and world > 1
+    return device.type == "cuda" and getattr(cfg, "fast_paths", "auto") == "auto" and not fsdp and liger_available()
 
 
 def _process_rss() -> int:
