@@ -19,6 +19,12 @@ train_throughput.py) on seeded random text over its toy tokenizer's 94 character
 something to learn: with random weights both curves start at about ln(vocab), so agreement there says little;
 the CPU run with a real model and real text is the stricter check of the curve.
 
+--floor: how far the nf4 base alone moves a step's loss, before any training: the first --steps blocks of --seq
+tokens of the same text, each block's loss under the model in bf16 and again with its decoder linears in nf4 (as
+`--quantize-base nf4` quantizes them), in one process; the relative gap per block, its mean, spread and largest.
+
+    python bench/qlora_acceptance.py --floor --device cuda [--out nf4-floor.json]
+
 --kernels: the nf4 base's products on one GPU, tunesmith's kernels (kernels.nf4) against torchao's linear_nf4 and bf16.
 
     python bench/qlora_acceptance.py --kernels [--rows 8192] [--out nf4-kernels.jsonl]
@@ -145,9 +151,41 @@ def kernels(a) -> int:
     return 0 if worst < 1e-2 else 1
 
 
+def floor(a, folder: Path, text_path: Path) -> int:
+    """--floor: each block's loss in bf16 and with an nf4 base, no training (see the module's docstring)."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tunesmith.qlora import quantize_base
+
+    ids = AutoTokenizer.from_pretrained(folder)(text_path.read_text(), return_tensors="pt").input_ids[0]
+    blocks = [ids[i * a.seq:(i + 1) * a.seq] for i in range(min(a.steps, len(ids) // a.seq))]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(a.device).eval()
+
+    def losses() -> list[float]:
+        with torch.no_grad():
+            return [model(input_ids=b[None].to(a.device), labels=b[None].to(a.device)).loss.item() for b in blocks]
+
+    bf16 = losses()
+    quantize_base(model, "nf4")
+    nf4 = losses()
+    gaps = [(q - b) / b for b, q in zip(bf16, nf4, strict=True)]
+    report = {"device": a.device, "model": a.model, "seq": a.seq, "bf16": bf16, "nf4": nf4, "gaps": gaps,
+              "gap_mean": statistics.mean(gaps), "gap_sd": statistics.pstdev(gaps), "gap_max": max(map(abs, gaps))}
+    if a.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(0)
+    print(f"{len(blocks)} blocks of {a.seq} tokens, the nf4 base against bf16, no training: gap mean "
+          f"{report['gap_mean']:+.3%}, sd {report['gap_sd']:.3%}, largest |gap| {report['gap_max']:.3%}")
+    Path(a.out or Path(a.workdir) / "nf4-floor.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", action="store_true", help="time the nf4 kernels instead (CUDA; see the docstring)")
+    ap.add_argument("--floor", action="store_true", help="the nf4 base alone, no training (see the docstring)")
     ap.add_argument("--rows", type=int, default=8192, help="--kernels: tokens per product (batch x seq)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--model", default=L8B, help="a KNOWN_CONFIGS shape (random weights) or real:<built-in alias>")
@@ -169,6 +207,10 @@ def main() -> int:
     t0 = time.perf_counter()
     folder = model_folder(Row("acceptance", a.model, a.seq, 1, 8, 16, ("q_proj", "v_proj")), a.device, workdir)
     data = a.data or str(random_text(workdir / "qlora-acceptance.txt", (a.steps + 4) * a.seq * 2))
+    if a.floor:
+        if not Path(data).is_file():
+            ap.error("--floor reads a text file: leave --data out (the seeded random text) or give a .txt path")
+        return floor(a, folder, Path(data))
     outs = {name: workdir / f"qlora-acceptance-{name}" for name in ("lora", "qlora")}
     if a.parallel:
         procs = {name: run(a, folder, data, name == "qlora", out) for name, out in outs.items()}
