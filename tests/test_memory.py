@@ -562,7 +562,7 @@ def test_cpu_adds_the_process_runtime_and_glibc_slack_and_nothing_else(shape):
     assert cpu.pop("allocator") == M.CPU_HEAP_SLACK_BYTES[False] == 256 * 2**20
     assert cpu == cuda
     ckpt = M.train_parts(shape, replace(s, gradient_checkpointing=True))
-    assert ckpt["allocator"] == 540 * 2**20 and ckpt["runtime"] == runtime
+    assert ckpt["allocator"] == 400 * 2**20 and ckpt["runtime"] == runtime
 
 
 # Gemma 3 270M's config as the built-in gemma3-270m converts it (fp32 safetensors), without its weights
@@ -633,16 +633,18 @@ def test_cpu_prediction_is_within_15_percent_of_the_measured_peak(model, seq, ba
 
 # The training modes on the CPU, measured (bench/bench_memory.py --suite modes; docs/MEMORY.md): SmolLM2-135M real
 # weights, seq 256, micro-batch 4, dropout 0.05, fp32, the fused loss. (targets, rank, checkpointing, mode, base,
-# optimizer, measured GiB)
+# optimizer, measured GiB: each run; the plan is held to their mean). The quantized rows were measured again on
+# 2026-12-07, after the quantized load gave its freed copies back (the int4 row's second run: the same setup through
+# `tunesmith train`, 3 steps).
 CPU_MEASURED_MODES = [
-    (QV, 8, False, "dora", "none", "adamw", 3.102),
-    (ALL, 16, False, "dora", "none", "adamw", 5.523),
-    (QV, 8, False, "lora", "nf4", "adamw", 2.730),
-    (ALL, 16, False, "lora", "nf4", "adamw", 4.029),
-    (QV, 8, True, "lora", "int4", "adamw", 1.633),
-    (QV, 8, False, "lora", "int8", "adamw", 2.885),
-    (QV, 8, False, "full", "none", "adamw", 5.207),
-    (QV, 8, False, "full", "none", "adamw8bit", 4.122),
+    (QV, 8, False, "dora", "none", "adamw", (3.102,)),
+    (ALL, 16, False, "dora", "none", "adamw", (5.523,)),
+    (QV, 8, False, "lora", "nf4", "adamw", (2.412,)),
+    (ALL, 16, False, "lora", "nf4", "adamw", (2.854,)),
+    (QV, 8, True, "lora", "int4", "adamw", (1.209, 1.290)),
+    (QV, 8, False, "lora", "int8", "adamw", (2.735,)),
+    (QV, 8, False, "full", "none", "adamw", (5.207,)),
+    (QV, 8, False, "full", "none", "adamw8bit", (4.122,)),
 ]
 
 
@@ -653,19 +655,22 @@ def test_each_mode_is_predicted_within_15_percent_of_its_measured_cpu_peak(targe
     s = M.TrainSetup(seq_len=256, batch_size=4, lora_rank=rank, lora_targets=targets, lora_dropout=0.05,
                      precision="fp32", gradient_checkpointing=ckpt, device_type="cpu", fused_loss=True,
                      fine_tune_type=mode, quantize_base=base, optimizer=optimizer)
-    assert sum(M.train_parts(shape, s).values()) / GIB == pytest.approx(measured, rel=0.15)
+    assert sum(M.train_parts(shape, s).values()) / GIB == pytest.approx(sum(measured) / len(measured), rel=0.15)
 
 
 def test_a_calibrated_base_is_predicted_within_15_percent_of_its_measured_cpu_peak():
     """`python bench/bench_modes.py quality --modes qlora-nf4 --targets all-linear --lr 2e-3 --base-calibration 128`
     (the real SmolLM2-135M, seq 256, micro-batch 4, r8, fp32): the process's peak RSS over calibration and 60 steps,
-    4.57 GiB on the 2-core AMD EPYC dev machine, 4.13 GiB on a 16-core Xeon at 4 threads (2026-12-02)."""
+    4.57 GiB on the 2-core AMD EPYC dev machine, 4.13 GiB on a 16-core Xeon at 4 threads (2026-12-02); the same
+    setup through `tunesmith train` for 3 steps, VmHWM, 4.88 GiB (2-core AMD EPYC, 2026-12-07). A calibrated base
+    keeps the dequantization slack a 4-bit base loaded straight into its quantized form no longer has."""
     shape = M.ModelShape.from_config(M.read_model_config(SMOL))
     s = M.TrainSetup(seq_len=256, batch_size=4, lora_rank=8, lora_targets=ALL, lora_dropout=0.05, precision="fp32",
                      device_type="cpu", fused_loss=True, quantize_base="nf4", base_calibration=128)
     predicted = sum(M.train_parts(shape, s).values()) / GIB
-    for measured in (4.57, 4.13):
+    for measured in (4.57, 4.13, 4.88):
         assert predicted == pytest.approx(measured, rel=0.15)
+    assert M.train_parts(shape, s)["allocator"] > M.train_parts(shape, replace(s, base_calibration=0))["allocator"]
 
 
 # The Llama-3.1-8B shape on one H200 (bench/bench_modes.py memory): seq 2048, micro-batch 1, LoRA r16 on all
@@ -818,14 +823,22 @@ def test_fit_plans_the_built_in_gemma3_within_15_percent_of_its_measured_peak(tm
     assert predicted == pytest.approx(2.54, rel=0.15)
 
 
-def test_a_bf16_quantized_base_on_the_cpu_adds_half_the_fp32_heap_slack():
-    """The CPU's dequantization slack was measured with fp32 copies; bf16 copies are half the size (SmolLM2-135M,
-    bf16, seq 256, micro-batch 1, QLoRA nf4 with the CLI's defaults: 1.466 GiB measured; planned within 5%)."""
+def test_only_an_int8_base_adds_heap_slack_on_the_cpu_and_the_qlora_defaults_are_planned_within_10_percent():
+    """An int8 base's products leave their dequantized copies in glibc's heaps (measured in fp32; bf16 copies are
+    half the size); a 4-bit base's run kept no more than the same LoRA run since the load gives its freed copies
+    back (2026-12-07). The CLI's QLoRA defaults on the CPU (SmolLM2-135M, bf16, seq 256, micro-batch 1, nf4):
+    1.305 and 1.290 GiB measured (VmHWM, 4 steps); micro-batch 4: 1.808 and 1.681; fp32, micro-batch 1: 1.373 and
+    1.375. The plan had been 1.528 / 1.923 / 1.917 with a 4-bit slack."""
     shape = M.ModelShape.from_config(M.read_model_config(SMOL))
     s = M.TrainSetup(seq_len=256, batch_size=1, lora_rank=8, lora_targets=QV, lora_dropout=0.05, precision="bf16",
                      device_type="cpu", fused_loss=True, quantize_base="nf4", recompute=True)
-    fp32 = M.train_parts(shape, replace(s, precision="fp32"))
     plain = M.train_parts(shape, replace(s, quantize_base="none"))
-    assert fp32["allocator"] - plain["allocator"] == M.CPU_DEQUANT_SLACK_BYTES[False]
-    assert M.train_parts(shape, s)["allocator"] - plain["allocator"] == M.CPU_DEQUANT_SLACK_BYTES[False] // 2
-    assert sum(M.train_parts(shape, s).values()) / GIB == pytest.approx(1.466, rel=0.05)
+    assert M.train_parts(shape, s)["allocator"] == plain["allocator"]
+    int8 = M.train_parts(shape, replace(s, quantize_base="int8"))
+    assert int8["allocator"] - plain["allocator"] == M.CPU_DEQUANT_SLACK_BYTES[False] // 2
+    fp32 = replace(s, precision="fp32")
+    assert (M.train_parts(shape, replace(fp32, quantize_base="int8"))["allocator"]
+            - M.train_parts(shape, replace(fp32, quantize_base="none"))["allocator"]) == M.CPU_DEQUANT_SLACK_BYTES[False]
+    for setup, runs in ((s, (1.305, 1.290)), (replace(s, batch_size=4), (1.808, 1.681)), (fp32, (1.373, 1.375))):
+        for measured in runs:
+            assert sum(M.train_parts(shape, setup).values()) / GIB == pytest.approx(measured, rel=0.10)

@@ -47,16 +47,19 @@ CPU_TOKENIZER_BYTES_PER_VOCAB = 1280
 # Freed blocks glibc's heaps keep at the peak. No trend with the activations was seen (35 MiB at 2 GiB of them,
 # 440 MiB at 1.1 GiB); with checkpointing more: the layers' freed forward temporaries still fill the heap when
 # the logits peak comes. The mean of the measured runs, without and with checkpointing.
-CPU_HEAP_SLACK_BYTES = {False: 256 * 2**20, True: 540 * 2**20}
+CPU_HEAP_SLACK_BYTES = {False: 256 * 2**20, True: 400 * 2**20}
 # --gradient-checkpointing offload: decoder-layer inputs on the device at once (tunesmith.kernels.offload)
 OFFLOADED_INPUTS = 2
-# A quantized base adds to it: every product dequantizes a weight into fresh memory, forward and backward, and those
+# An int8 base adds to it: every product dequantizes a weight into fresh memory, forward and backward, and those
 # blocks (a few MiB each) come from glibc's heaps, which keep them. Measured on SmolLM2-135M (docs/MEMORY.md,
-# "Training modes on the CPU"): 0.44-0.79 GiB more than the plan's tensors without checkpointing, 0.1 with it
-# (where the checkpointing slack above already counts 0.28 more). Measured with fp32 copies; a bf16 run's copies
-# are half the size, and so is what the heaps keep of them (SmolLM2-135M, bf16, seq 256, micro-batch 1: 1.466 GiB
-# measured, 1.528 planned with half the slack, 1.778 with all of it; bench/qlora_acceptance.py).
+# "Training modes on the CPU"). Measured with fp32 copies; a bf16 run's copies are half the size. A 4-bit base
+# (nf4, int4) adds none measurable since its load gives freed copies back (qlora.TRIM_EVERY): with checkpointing an
+# int4 base's run kept what the same LoRA run kept, and nf4's runs were planned within -17%..+7% without
+# it. A calibrated base (--base-calibration) is quantized from a model loaded whole, not by that load: it keeps the
+# slack (SmolLM2-135M, nf4, all-linear r8, fp32, micro-batch 4, 128 blocks: 4.88 GiB measured). (fp8 is CUDA's
+# only.)
 CPU_DEQUANT_SLACK_BYTES = {False: 512 * 2**20, True: 200 * 2**20}
+CPU_UNTRIMMED_SCHEMES = ("int8", "fp8")
 
 # Shapes of well-known models, so `fit` can answer offline (hub configs of gated models need a login).
 KNOWN_CONFIGS: dict[str, dict] = {
@@ -572,7 +575,7 @@ def cpu_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int]) -> dict[s
     weights (Gemma 3 270M's fp32 file, 1 GiB, loaded in bf16)."""
     out = {"runtime": CPU_RUNTIME_BYTES + CPU_TOKENIZER_BYTES_PER_VOCAB * shape.vocab,
            "allocator": CPU_HEAP_SLACK_BYTES[bool(s.gradient_checkpointing)]}
-    if s.quantize_base != "none":
+    if s.quantize_base in CPU_UNTRIMMED_SCHEMES or (s.quantize_base != "none" and s.base_calibration):
         copy = 4 if s.precision == "fp32" else 2  # bytes of a dequantized weight: the slack is measured in fp32
         out["allocator"] += CPU_DEQUANT_SLACK_BYTES[bool(s.gradient_checkpointing)] * copy // 4
     w = 4 if s.precision == "fp32" or s.full else 2
