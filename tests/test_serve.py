@@ -402,12 +402,15 @@ def test_the_static_decode_step_gives_the_packed_steps_logits_and_writes_only_it
 
 
 def test_warming_the_eager_step_writes_only_the_scratch_slot(served_tiny):
-    """BatchedLM.warm runs the packed step at each power of two up to the prefill chunk, base and adapter, in the
-    scratch slot alone: every other slot keeps its (NaN) memory, and rows read afterwards get their own forward's
-    logits."""
+    """BatchedLM.warm runs the packed step at each power of two up to the prefill chunk and one less, base and
+    adapter, in the scratch slot alone: every other slot keeps its (NaN) memory, and rows read afterwards get their
+    own forward's logits."""
     model, tok = served_tiny.model, served_tiny.tokenizer
     lm = poisoned_lm(model, slots=3)
+    sizes, eager = [], lm._eager
+    lm._eager = lambda rows, want: sizes.append(len(rows[0][1])) or eager(rows, want)
     lm.warm(32)
+    assert sorted(set(sizes)) == [1, 2, 3, 4, 7, 8, 15, 16, 31, 32]  # each power of two and the odd size below it
     assert not lm.keys[:, 3, :32].isnan().any()  # the scratch slot: written
     assert lm.keys[:, :3].isnan().all() and lm.values[:, :3].isnan().all()
     prompts = [tok(p)["input_ids"] for p in ("ROMEO: But soft", "JULIET:")]

@@ -233,15 +233,20 @@ class BatchedLM:
 
     @torch.inference_mode()
     def warm(self, tokens: int) -> None:
-        """Run the packed eager step once at each power of two up to `tokens` tokens (over the base and, with
-        adapters, the first one), in the scratch slot the decode graphs' padding rows write to. On CUDA the first
-        step of a size pays once for what later ones reuse (its kernels loaded, its memory reserved): without
-        this, the first burst of eight prompts on the 1B shape waited about 0.1 s longer than the next burst."""
+        """Run the packed eager step once at each power of two up to `tokens` tokens and at one less (over the base
+        and, with adapters, the first one), in the scratch slot the decode graphs' padding rows write to. On CUDA
+        the first step of a size pays once for what later ones reuse (its kernels loaded, its memory reserved):
+        without this, the first burst of eight prompts on the 1B shape waited about 0.1 s longer than the next
+        burst. Prompts are seldom a power of two long, and a length off the multiples of 8 can take other kernels
+        (attention's, the products'), so the odd sizes are warmed too. (The server's first request, of 20-40
+        tokens, once waited over a second for its first token on a GPU where the next took 0.08 s; whether these
+        sizes were its cost is not yet measured.)"""
         scratch = self.slots
         n = 2
         while n <= min(tokens, self.context):
-            for adapter in range(min(2, len(self.adapters))):
-                self._eager([(scratch, [0] * n, 0, adapter)], [True])
+            for size in (n - 1, n):
+                for adapter in range(min(2, len(self.adapters))):
+                    self._eager([(scratch, [0] * size, 0, adapter)], [True])
             n *= 2
 
     @torch.inference_mode()
