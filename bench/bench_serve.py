@@ -58,7 +58,8 @@ chunk of adapter one beside 7 decoding rows (mixed), the step a prompt joins wit
 --host times the engine's own work instead (serve.engine.Engine with its forward replaced by a stub that returns
 fixed logits at once): 8 greedy requests of 128 tokens together, over --model's tokenizer; a step's time is what the
 host spends per step beside the model (the queue, each row's token, text, stop rule and emitted response; with the
-stub's logits on the CPU, the argmax too). Median of --runs runs.
+stub's logits on the CPU, the argmax too). Median of --runs runs. Then the same stubbed engine behind the server's
+app, with 1 and 8 streaming clients: the tokens/s the host allows through HTTP (clients in the same process).
 
     python bench/bench_serve.py --host [--model smollm2-135m-instruct] [--runs 7]
 
@@ -615,10 +616,37 @@ def host_main(args) -> None:
         for _ in range(8):
             done.acquire()
         times.append((time.perf_counter() - start) / (engine.steps - steps))
-    engine.close()
     print(f"engine's own work, 8 greedy rows of 128 tokens, {args.model}'s tokenizer: "
           f"{statistics.median(times) * 1e3:.3f} ms a step (median of {args.runs}; runs {min(times) * 1e3:.3f}"
           f"-{max(times) * 1e3:.3f})")
+    http_ceiling(engine, model, tokenizer, args.runs)
+    engine.close()
+
+
+def http_ceiling(engine, model, tokenizer, runs: int) -> None:
+    """--host, then through HTTP: the same stubbed engine behind the server's app (in this process, on a thread),
+    1 and then 8 streaming chat clients of 128 tokens (the openai client, in this process too): the total tokens/s
+    the host alone allows, every token's HTTP and client work included."""
+    from tunesmith.serve import running
+    from tunesmith.serve.api import build_app
+    from tunesmith.serve.engine import Served
+
+    async def clients(url: str, n: int) -> float:
+        client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+        await one(client, "base", "Tell me a story about the sea.", 128)  # the first request's one-time costs
+        rates = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            done = await asyncio.gather(*[one(client, "base", "Tell me a story about the sea.", 128)
+                                          for _ in range(n)])
+            rates.append(sum(r["tokens"] for r in done) / (time.perf_counter() - start))
+        return statistics.median(rates)
+
+    served = Served(model, tokenizer, "base", "stub", {}, 4096)
+    with running(build_app(served, engine)) as url:
+        for n in (1, 8):
+            print(f"through HTTP, {n} streaming client(s), 128 tokens each: "
+                  f"{asyncio.run(clients(url, n)):,.0f} tok/s in all (median of {runs})")
 
 
 def main() -> None:
