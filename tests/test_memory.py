@@ -562,7 +562,7 @@ def test_cpu_adds_the_process_runtime_and_glibc_slack_and_nothing_else(shape):
     assert cpu.pop("allocator") == M.CPU_HEAP_SLACK_BYTES[False] == 256 * 2**20
     assert cpu == cuda
     ckpt = M.train_parts(shape, replace(s, gradient_checkpointing=True))
-    assert ckpt["allocator"] == 400 * 2**20 and ckpt["runtime"] == runtime
+    assert ckpt["allocator"] == 370 * 2**20 and ckpt["runtime"] == runtime
 
 
 # Gemma 3 270M's config as the built-in gemma3-270m converts it (fp32 safetensors), without its weights
@@ -633,7 +633,7 @@ def test_cpu_prediction_is_within_15_percent_of_the_measured_peak(model, seq, ba
 
 # The training modes on the CPU, measured (bench/bench_memory.py --suite modes; docs/MEMORY.md): SmolLM2-135M real
 # weights, seq 256, micro-batch 4, dropout 0.05, fp32, the fused loss. (targets, rank, checkpointing, mode, base,
-# optimizer, measured GiB: each run; the plan is held to their mean). The quantized rows were measured again on
+# optimizer, measured GiB: each run, the plan held to each). The quantized rows were measured again on
 # 2026-12-07, after the quantized load gave its freed copies back (the int4 row's second run: the same setup through
 # `tunesmith train`, 3 steps).
 CPU_MEASURED_MODES = [
@@ -655,7 +655,9 @@ def test_each_mode_is_predicted_within_15_percent_of_its_measured_cpu_peak(targe
     s = M.TrainSetup(seq_len=256, batch_size=4, lora_rank=rank, lora_targets=targets, lora_dropout=0.05,
                      precision="fp32", gradient_checkpointing=ckpt, device_type="cpu", fused_loss=True,
                      fine_tune_type=mode, quantize_base=base, optimizer=optimizer)
-    assert sum(M.train_parts(shape, s).values()) / GIB == pytest.approx(sum(measured) / len(measured), rel=0.15)
+    predicted = sum(M.train_parts(shape, s).values()) / GIB
+    for run in measured:
+        assert predicted == pytest.approx(run, rel=0.15)
 
 
 def test_a_calibrated_base_is_predicted_within_15_percent_of_its_measured_cpu_peak():
