@@ -42,7 +42,9 @@ chat template joins the messages' text); the answers are random words, their tim
 --hf-reference (the default on CUDA) times transformers' `generate` (greedy, its own KV cache) on the first two
 base prompts alone, in this process, after the server has stopped: the plain single stream to compare "alone, base
 only" with.
---deterministic starts the server with it (answers that do not depend on the batch).
+--deterministic starts the server with it (answers that do not depend on the batch). --trace runs the server with
+its engine's steps, graph captures and garbage collections logged (serve_traced), and prints those that fall while
+a request waited for its first token: the first alone request, and each burst together.
 
 --step times the server's forward alone instead, in-process, no HTTP: a decode step of the batched model
 (serve.batch.BatchedLM) at 1 and 8 rows, eager against CUDA graphs, and its LoRA over a mixed batch, stacked against the grouped Triton
@@ -183,13 +185,14 @@ def hf_reference(model: str, device: str, prompts: list[str], max_tokens: int, a
 
 
 def start_server(model: str, parallel: int, adapters: list[str], src: str | None = None, device: str = "cpu",
-                 deterministic: bool = False):
+                 deterministic: bool = False, trace: str = ""):
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     flags = [f for a in adapters for f in ("--adapter", a)]
     flags += ["--deterministic"] if deterministic else []
-    proc = subprocess.Popen([sys.executable, "-m", "tunesmith.cli", "serve", "--model", model, "--port", "0",
+    run = [__file__, "--serve-traced", trace, "--"] if trace else ["-m", "tunesmith.cli"]
+    proc = subprocess.Popen([sys.executable, *run, "serve", "--model", model, "--port", "0",
                              "--parallel", str(parallel), "--device", device, *flags], stdout=subprocess.PIPE,
                             stderr=None if os.environ.get("BENCH_SERVER_LOG") else subprocess.DEVNULL, text=True,
                             env=env)
@@ -649,7 +652,73 @@ def http_ceiling(engine, model, tokenizer, runs: int) -> None:
                   f"{asyncio.run(clients(url, n)):,.0f} tok/s in all (median of {runs})")
 
 
+def serve_traced(path: str, argv: list[str]) -> None:
+    """`tunesmith serve` (argv) with the engine's work written to `path` as it happens, a JSON line per event:
+    [kind, start, end, detail] in time.perf_counter() seconds (CLOCK_MONOTONIC on Linux: the clients' clock in the
+    other process). submit: a request reaches the engine (detail: prompt tokens); step: an eager or single graph
+    step (rows, rows still reading their prompt, tokens); ahead: a run of decode steps launched ahead (rows, steps);
+    first: a request's first token drawn; capture: a decode graph captured (batch, length, lora); gc: a collection
+    (generation)."""
+    import gc
+
+    from tunesmith.cli import main as cli_main
+    from tunesmith.serve import engine as E
+    from tunesmith.serve import graphs as G
+
+    out = open(path, "w", buffering=1)  # noqa: SIM115 - open for the server's life
+    clock = time.perf_counter
+
+    def log(kind, start, detail):
+        out.write(json.dumps([kind, start, clock(), detail]) + "\n")
+
+    def wrap(cls, name, kind, detail):
+        orig = getattr(cls, name)
+
+        def traced(self, *a, **k):
+            before, start = detail(self, *a), clock()
+            steps = getattr(self, "steps", 0)
+            try:
+                return orig(self, *a, **k)
+            finally:
+                if before is not None:
+                    log(kind, start, [*before, getattr(self, "steps", 0) - steps])
+        setattr(cls, name, traced)
+
+    wrap(E.Engine, "submit", "submit", lambda self, job: [len(job.prompt_ids)])
+    wrap(E.Engine, "_step", "step", lambda self, active, free: [
+        len(active), sum(not r.answer.generated for r in active), sum(len(r.pending) for r in active)])
+    wrap(E.Engine, "_decode_ahead", "ahead", lambda self, active, free: [len(active)])
+    wrap(E.Engine, "_draw", "first", lambda self, row, *a: [row.slot] if not row.answer.generated else None)
+    wrap(G.DecodeGraphs, "_capture", "capture", lambda self, batch, length, lora: [batch, length, lora])
+    pauses = {}
+    gc.callbacks.append(lambda phase, info: pauses.__setitem__(info["generation"], clock()) if phase == "start"
+                        else log("gc", pauses.pop(info["generation"], clock()), [info["generation"]]))
+    sys.argv = ["tunesmith", *argv]
+    cli_main()
+
+
+def traced_windows(path: str, raw: dict) -> dict[str, list]:
+    """The trace's events from each window a request waited for its first token in: the first alone request and
+    each burst together (from its first request sent to its last first token), times from the window's start."""
+    events = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    alone = min(raw["alone"].values(), key=lambda r: r["sent"])
+    windows = {"first alone request": (alone["sent"], alone["sent"] + alone["ttft"])}
+    for name in ("base", "mixed"):
+        rows = raw[name]["rows"]
+        windows[f"{name} together"] = (min(r["sent"] for r in rows), max(r["sent"] + r["ttft"] for r in rows))
+    out = {}
+    for name, (start, end) in windows.items():
+        out[name] = [[k, round(s - start, 4), round(e - s, 4), d] for k, s, e, d in events
+                     if e >= start and s <= end]
+        print(f"\ntrace, {name}: {end - start:.3f} s to the last first token (kind, start, seconds, detail)")
+        for row in out[name][:60]:
+            print("  ", *row)
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--serve-traced"]:
+        return serve_traced(sys.argv[2], sys.argv[4:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--shape", default="", help="random weights of this shape instead of --model (see the docstring)")
@@ -667,6 +736,8 @@ def main() -> None:
                     help="GGUF types to measure llama.cpp's server on ('' for none)")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python with llama-cpp-python[server]")
     ap.add_argument("--json", default="")
+    ap.add_argument("--trace", action="store_true",
+                    help="log the server's engine steps and print those of the windows before first tokens")
     args = ap.parse_args()
     if args.step:
         return step_main(args)
@@ -685,8 +756,9 @@ def main() -> None:
         runs = {"base": [(base, p) for p in prompts],
                 "mixed": [(models[i % len(models)], p) for i, p in enumerate(prompts)]}
         adapters = make_adapters(args.model, Path(tmp), args.device)
+        trace = str(Path(tmp) / "trace.jsonl") if args.trace else ""
         servers = [start_server(args.model, args.clients, adapters, device=args.device,
-                                deterministic=args.deterministic)]
+                                deterministic=args.deterministic, trace=trace)]
         if args.reference_src:
             servers.append(start_server(args.model, 1, [], args.reference_src, args.device))
         try:
@@ -696,6 +768,7 @@ def main() -> None:
             for proc, _ in servers:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
+        traced = traced_windows(trace, raw) if trace else {}
         llama = measure_llama_cpp(args, runs["base"], Path(tmp))
         alone_text = {(None if m == base else m, p): r for (m, p), r in raw["alone"].items()}
         reference = hf_reference(args.model, args.device, prompts, args.max_tokens, alone_text) if hf else []
@@ -731,7 +804,8 @@ def main() -> None:
                        "results": groups, "hf_generate": reference,
                        "rows": {k: v["rows"] for k, v in raw.items() if k in runs},
                        "alone_rows": [{"model": m, "prompt": p, **r} for (m, p), r in raw["alone"].items()],
-                       "llama_cpp_rows": {q: v["base"]["rows"] for q, v in llama.items()}}, f, indent=2)
+                       "llama_cpp_rows": {q: v["base"]["rows"] for q, v in llama.items()}, "trace": traced}, f,
+                      indent=2)
 
 
 def gpu_name() -> str:
