@@ -43,6 +43,13 @@ from tunesmith.serve.graphs import make_graphs
 SUPPORTED = ("llama", "mistral", "qwen2")
 ZERO_BLOCK = 256  # cache positions zeroed at a time, ahead of the rows that will read them
 FIRST_LENGTH = 4096  # cache positions per slot at first; doubled (up to the context) when a row needs more
+# Attention in a packed eager step (a prompt's chunk, or rows of several lengths): any kernel but cuDNN's. On an
+# H100, cuDNN's attention builds an execution plan the first time it meets a shape, 2.7 ms a layer (the 1B shape's
+# 16 layers: 45-55 ms), and a step's shape (rows, widest row, cache length) is new most of the time a prompt joins;
+# the memory-efficient kernel has no such cost (a step of eight short prompts: 18 ms the first time, 13 after,
+# against 54 and 10). The decode graphs keep cuDNN's: each shape is captured once, and there it is the faster
+# (8 rows: 2.8 ms a step against 4.2).
+EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # the linears that read one input
 
@@ -235,12 +242,10 @@ class BatchedLM:
     def warm(self, tokens: int) -> None:
         """Run the packed eager step once at each power of two up to `tokens` tokens and at one less (over the base
         and, with adapters, the first one), in the scratch slot the decode graphs' padding rows write to. On CUDA
-        the first step of a size pays once for what later ones reuse (its kernels loaded, its memory reserved):
-        without this, the first burst of eight prompts on the 1B shape waited about 0.1 s longer than the next
-        burst. Prompts are seldom a power of two long, and a length off the multiples of 8 can take other kernels
-        (attention's, the products'), so the odd sizes are warmed too. (The server's first request, of 20-40
-        tokens, once waited over a second for its first token on a GPU where the next took 0.08 s; whether these
-        sizes were its cost is not yet measured.)"""
+        the first step of a size pays once for what later ones reuse (its kernels loaded, its memory reserved).
+        Prompts are seldom a power of two long, and a length off the multiples of 8 can take other kernels (the
+        products'), so the odd sizes are warmed too. (What a new shape cost most, cuDNN's attention plan, the
+        eager step no longer takes: EAGER_ATTENTION.)"""
         scratch = self.slots
         n = 2
         while n <= min(tokens, self.context):
@@ -286,7 +291,8 @@ class BatchedLM:
             self.zero_ahead(slot, step.length)
         masks = [m if bool((m >= 0).any() if self.lora_kernel else m.any()) else None  # no token of it: no LoRA
                  for m in self.masks(step.adapters)]
-        return self.run(step, masks)
+        with sdpa_kernel(EAGER_ATTENTION) if self.keys.device.type == "cuda" else contextlib.nullcontext():
+            return self.run(step, masks)
 
     def masks(self, adapters: torch.Tensor) -> list[torch.Tensor]:
         """What each linear's LoRA takes for tokens of these adapters (Projection.__call__), per layout."""
