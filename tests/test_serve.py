@@ -357,6 +357,22 @@ def test_a_row_moved_to_a_lower_slot_decodes_on_as_its_own_forward(served_tiny):
         torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)
 
 
+def test_a_packed_eager_step_on_cuda_takes_any_attention_kernel_but_cudnns():
+    """cuDNN's attention plans each new shape (about 50 ms a step on the 1B shape), and a step that reads prompts
+    is a new shape most of the time: on CUDA the eager step turns it off for its own duration; elsewhere nothing
+    changes. (PyTorch's switches are process-wide flags, readable on a machine without a GPU.)"""
+    from tunesmith.serve.batch import eager_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with eager_attention("cuda"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with eager_attention("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_graph_buckets_hold_the_rows_and_the_cache_they_need():
     from tunesmith.serve.graphs import batch_buckets, length_bucket, pick
 

@@ -291,7 +291,7 @@ class BatchedLM:
             self.zero_ahead(slot, step.length)
         masks = [m if bool((m >= 0).any() if self.lora_kernel else m.any()) else None  # no token of it: no LoRA
                  for m in self.masks(step.adapters)]
-        with sdpa_kernel(EAGER_ATTENTION) if self.keys.device.type == "cuda" else contextlib.nullcontext():
+        with eager_attention(self.keys.device.type):
             return self.run(step, masks)
 
     def masks(self, adapters: torch.Tensor) -> list[torch.Tensor]:
@@ -416,6 +416,11 @@ class BatchedLM:
         self.keys[:, slot, self.clean[slot] : end].zero_()
         self.values[:, slot, self.clean[slot] : end].zero_()
         self.clean[slot] = end
+
+
+def eager_attention(device_type: str):
+    """The attention kernels a packed eager step may take on this device (EAGER_ATTENTION on CUDA)."""
+    return sdpa_kernel(EAGER_ATTENTION) if device_type == "cuda" else contextlib.nullcontext()
 
 
 def _plain_weight(module: torch.nn.Module) -> torch.Tensor | None:
