@@ -218,6 +218,7 @@ class TrainSetup:
     base_calibration: int = 0  # --base-calibration: blocks GPTQ calibrates the quantized base on, before training
     nf4_kernels: bool = False  # the nf4 base's products through tunesmith.kernels.nf4 (CUDA, Triton, fast paths)
     liger_loss: bool = False  # the fused loss through Liger's kernels (CUDA, liger-kernel installed; not FSDP2)
+    compiled: bool = False  # the decoder layers compiled by Inductor (kernels.base.Setting.compiled)
 
     @property
     def full(self) -> bool:
@@ -349,6 +350,31 @@ def layer_activation_bytes(shape: ModelShape, s: TrainSetup) -> int:
     # gated MLP keeps gate (for SiLU), SiLU(gate) and up (for the product); --recompute: gate and up only
     total += (2 if _lean(shape, s) else 3) * shape.intermediate * a
     return total
+
+
+def _compiled_qlora(s: TrainSetup) -> bool:
+    """Whether the layers keep what a compiled layer over an nf4 base keeps (`compiled_layer_bytes`): LoRA over an
+    nf4 base on CUDA, compiled, without checkpointing (the setup measured; elsewhere the eager bound stands)."""
+    return (s.compiled and s.quantize_base == "nf4" and s.fine_tune_type == "lora" and s.device_type == "cuda"
+            and not s.gradient_checkpointing)
+
+
+def compiled_layer_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """Bytes a decoder layer compiled by Inductor keeps per token, its LoRA branches included, over an nf4 base.
+
+    Inductor's partitioner keeps what only a product or attention makes and recomputes the rest in backward: q, k,
+    v and attention's output and logsumexp, the MLP's gate and up, and the residual stream, from which the norms,
+    the rotary embedding, SiLU and every LoRA input are computed again (dropout draws its mask again from its seed);
+    LoRA's own products keep their rank-sized outputs. Counted: the residual stream twice (the layer's input and
+    its mid point), what backward cannot do without. Measured on CUDA for a layer of the Llama-3.1-8B shape in bf16
+    (LoRA q_proj, v_proj r8, dropout 0.05 or 0): 86.1 KB per token, one hidden-size tensor under this count (94.3),
+    where the eager layer keeps 119.1 (docs/MEMORY.md). How many hidden-size tensors the partitioner keeps moves
+    with the shape (one to two beyond this count on compiled bf16 layers), so the plan keeps this bound."""
+    a = 4 if s.precision == "fp32" else 2
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = (q + 2 * kv + q) * a + shape.heads * 4
+    lora = len(adapted_linears(shape, s)) // max(1, len(trained_layers(shape, s.num_layers))) * s.lora_rank * a
+    return attention + 2 * shape.intermediate * a + 2 * shape.hidden * a + lora
 
 
 def fused_loss_bytes(shape: ModelShape, s: TrainSetup) -> int:
@@ -502,6 +528,8 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
     trainable = sum(tensors)
     lora = lora_activation_bytes(shape, s)
     layer = layer_activation_bytes(shape, s) + (full_layer_extra_bytes(shape, s) if s.full else 0)
+    if _compiled_qlora(s):
+        layer, lora = compiled_layer_bytes(shape, s), 0
     fixed = dora_fixed_bytes(shape, s)
     # Without a fused kernel each layer keeps its softmax probabilities (B x heads x S x S), and the layer being
     # computed holds one more such tensor for a moment.
@@ -526,7 +554,7 @@ def train_parts(shape: ModelShape, s: TrainSetup) -> dict[str, int]:
         # embedding's output); a full fine-tuning of every layer trains the embedding, so there it does.
         # --recompute's norm keeps its input (as the residual stream holds it) only for a gradient, and under full
         # fine-tuning its weight trains and needs it.
-        if s.full and (kept == shape.layers or _lean(shape, s)):
+        if (s.full and (kept == shape.layers or _lean(shape, s))) or _compiled_qlora(s):
             first = 0
         elif _lean(shape, s):
             first = (4 if s.precision == "fp32" else 2) * shape.hidden + 4
@@ -779,6 +807,7 @@ def plan_run(
         base_calibration=int(getattr(cfg, "base_calibration", 0)) if not getattr(cfg, "resume", False) else 0,
         nf4_kernels=_nf4_kernels(cfg, device),
         liger_loss=_liger_loss(cfg, device, world),
+        compiled=_compiled_layers(cfg, device, world),
     )
     p = plan(shape, setup, total, available)
     if auto:
@@ -794,6 +823,13 @@ def _nf4_kernels(cfg, device: torch.device) -> bool:
 
     return (device.type == "cuda" and getattr(cfg, "fast_paths", "auto") == "auto"
             and getattr(cfg, "quantize_base", "none") == "nf4" and triton_available())
+
+
+def _compiled_layers(cfg, device: torch.device, world: int) -> bool:
+    """Whether train compiles the decoder layers for this run (kernels.base.Setting.compiled)."""
+    from tunesmith.kernels.base import Setting
+
+    return Setting(cfg, device.type, world, fsdp=getattr(cfg, "strategy", "ddp") == "fsdp" and world > 1).compiled
 
 
 def _liger_loss(cfg, device: torch.device, world: int) -> bool:
