@@ -62,7 +62,7 @@ run() {
     ckpt-8b) tt --rows llama-8b-ckpt --steps 12 --warmup 4 --repeat 2 ;;
     serve)
       for shape in meta-llama/Llama-3.2-1B HuggingFaceTB/SmolLM2-135M-Instruct; do
-        timeout 280 python3 bench/bench_serve.py --shape "$shape" --device cuda --clients 8 --max-tokens 128 \
+        timeout 280 python3 bench/bench_serve.py --shape "$shape" --device cuda --clients 8 --max-tokens 128 --trace \
           --json "$out/serve-${shape##*/}.json" 2>&1 | grep -v " INFO" | tail -40
       done ;;
     fit) python3 bench/qlora_acceptance.py --device cuda --parallel --out "$out/qlora-cuda.json" ;;
