@@ -361,16 +361,20 @@ def test_a_packed_eager_step_on_cuda_takes_any_attention_kernel_but_cudnns():
     """cuDNN's attention plans each new shape (about 50 ms a step on the 1B shape), and a step that reads prompts
     is a new shape most of the time: on CUDA the eager step turns it off for its own duration; elsewhere nothing
     changes. (PyTorch's switches are process-wide flags, readable on a machine without a GPU.)"""
-    from tunesmith.serve.batch import eager_attention
+    from tunesmith.serve.batch import attention_kernels
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with eager_attention("cuda"):
+    with attention_kernels("cuda", deterministic=False, eager=True):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
         assert torch.backends.cuda.math_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    with eager_attention("cpu"):
-        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    for device, eager in (("cpu", True), ("cuda", False)):  # elsewhere, and the decode graphs: PyTorch's choice
+        with attention_kernels(device, deterministic=False, eager=eager):
+            assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with attention_kernels("cuda", deterministic=True, eager=True):  # the deterministic mode: the math kernel alone
+        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_graph_buckets_hold_the_rows_and_the_cache_they_need():

@@ -291,26 +291,20 @@ class BatchedLM:
             self.zero_ahead(slot, step.length)
         masks = [m if bool((m >= 0).any() if self.lora_kernel else m.any()) else None  # no token of it: no LoRA
                  for m in self.masks(step.adapters)]
-        with eager_attention(self.keys.device.type):
-            return self.run(step, masks)
+        return self.run(step, masks, eager=True)
 
     def masks(self, adapters: torch.Tensor) -> list[torch.Tensor]:
         """What each linear's LoRA takes for tokens of these adapters (Projection.__call__), per layout."""
         return [per_adapter[adapters] for per_adapter in self.layouts]
 
-    def run(self, step: Step, masks: list[torch.Tensor | None]) -> torch.Tensor:
-        """The model over a planned step: the next-token logits at `step.logits_at`, as float32.
-
-        In the deterministic mode attention takes PyTorch's math kernel: on an H100 the fused kernel it picks for
-        a decode step over the whole cache (8 rows, 4,096 positions) gave a row other bits, now and then, for the
-        same inputs (the math kernel: the same bits every time). PyTorch's backend switches are process-wide: a
-        second engine stepping at that moment in another thread would take the math kernel too (one server runs
-        one engine)."""
+    def run(self, step: Step, masks: list[torch.Tensor | None], eager: bool = False) -> torch.Tensor:
+        """The model over a planned step: the next-token logits at `step.logits_at`, as float32. `eager`: the
+        packed step, not a decode graph's (`attention_kernels`)."""
         model = self.inner.model
         x = model.embed_tokens(step.ids)
         cos, sin = model.rotary_emb(x, step.positions[None])
         cos, sin = cos[0], sin[0]
-        with sdpa_kernel(SDPBackend.MATH) if self.deterministic else contextlib.nullcontext():
+        with attention_kernels(self.keys.device.type, self.deterministic, eager):
             for i, (layer, linears) in enumerate(zip(model.layers, self.layers, strict=True)):
                 x = self._layer(i, layer, linears, x, cos, sin, step, masks)
         x = model.norm(x if step.logits_at is None else x[step.logits_at])
@@ -418,9 +412,15 @@ class BatchedLM:
         self.clean[slot] = end
 
 
-def eager_attention(device_type: str):
-    """The attention kernels a packed eager step may take on this device (EAGER_ATTENTION on CUDA)."""
-    return sdpa_kernel(EAGER_ATTENTION) if device_type == "cuda" else contextlib.nullcontext()
+def attention_kernels(device_type: str, deterministic: bool, eager: bool):
+    """The attention kernels a step may take: PyTorch's math kernel in the deterministic mode (on an H100 the fused
+    kernel it picks for a decode step over the whole cache, 8 rows and 4,096 positions, gave a row other bits now
+    and then for the same inputs; the math kernel, the same bits every time); EAGER_ATTENTION for a packed eager
+    step on CUDA; else PyTorch's own choice. Its switches are process-wide: a second engine stepping at that
+    moment in another thread would take the same kernels (one server runs one engine)."""
+    if deterministic:
+        return sdpa_kernel(SDPBackend.MATH)
+    return sdpa_kernel(EAGER_ATTENTION) if eager and device_type == "cuda" else contextlib.nullcontext()
 
 
 def _plain_weight(module: torch.nn.Module) -> torch.Tensor | None:
