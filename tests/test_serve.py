@@ -546,18 +546,23 @@ assert grouped_lora.available(torch.zeros(1))
 rows = [(0, [5, 6, 7], 0, 1), (2, [9], 0, 0), (1, [3, 4], 0, 2)]
 step = [(0, [8], 3, 1), (2, [10], 1, 0), (1, [11], 2, 2)]
 got = []
-for kernel in (False, True):
-    lm = BatchedLM(model.eval(), slots=3, context=64, lora_kernel=kernel)
-    got.append((lm.forward(rows, [True] * 3), lm.forward(step, [True] * 3), lm.graphs))
-for stacked, grouped in zip(got[0][:2], got[1][:2]):
+for kernel, fused in ((False, False), (True, False), (False, True)):
+    lm = BatchedLM(model.eval(), slots=3, context=64, lora_kernel=kernel, fused=fused)
+    assert all(p.fused == fused for layer in lm.layers for p in layer)
+    got.append((lm.forward(rows, [True] * 3), lm.forward(step, [True] * 3)))
+for stacked, grouped, fused in zip(*got):
     torch.testing.assert_close(grouped, stacked, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fused, stacked, rtol=0, atol=1e-5)
+base = BatchedLM(model.eval(), slots=3, context=64).forward([(s, t, c, 0) for s, t, c, _ in rows], [True] * 3)
+assert (got[2][0] - base).abs()[[0, 2]].min(-1).values.gt(0).all()  # the adapters' rows: every logit moved
 print("same")
 """
 
 
 def test_grouped_lora_kernels_give_the_stacked_paths_logits_under_triton_s_interpreter():
     """serve.grouped_lora's Triton kernels (the CPU runs them under Triton's interpreter): a batch of rows over
-    two adapters of different ranks and linears, prefill and decode, gives the stacked path's logits."""
+    two adapters of different ranks and linears, prefill and decode, gives the stacked path's logits, through the
+    grouped kernels and through the fused masked addition alike."""
     import os
     import subprocess
     import sys

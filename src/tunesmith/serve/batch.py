@@ -81,10 +81,12 @@ class Projection:
     Then the masked ranks times B, block-diagonal over the linears ([sum of ranks, outs]), are added in place: three
     kernels for the group where each linear on its own took three. A base-only step multiplies by the base rows
     alone. Other bases (quantized) run as their modules, their outputs joined, then the same LoRA product over the
-    input. With `kernel`, each linear's LoRA runs serve.grouped_lora's kernels instead."""
+    input. With `fused` (where Triton runs), the mask's product and the addition are one kernel
+    (serve.grouped_lora.masked_add). With `kernel`, each linear's LoRA runs serve.grouped_lora's kernels instead."""
 
     def __init__(self, modules: list[torch.nn.Module], adapters: list[str | None], layouts: dict,
-                 kernel: bool = False, dtype: torch.dtype = torch.float32):
+                 kernel: bool = False, dtype: torch.dtype = torch.float32, fused: bool = False):
+        self.fused = fused and not kernel
         self.modules = [getattr(m, "base_layer", m) for m in modules]
         self.sizes = [m.out_features for m in self.modules]
         self.rows = sum(self.sizes)  # the joined base outputs
@@ -145,14 +147,19 @@ class Projection:
         if self.weight is None:
             ys = [m(x) for m in self.modules]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-            if mask is not None:
+            if mask is not None and self.fused:
+                grouped_lora.masked_add(y, x @ self.a, mask, self.b)
+            elif mask is not None:
                 y = torch.addmm(y, (x @ self.a).mul_(mask), self.b)
         elif mask is None:
             y = F.linear(x, self.weight[: self.rows], None if self.bias is None else self.bias[: self.rows])
         else:
             both = F.linear(x, self.weight, self.bias)
             y = both[:, : self.rows]
-            y.addmm_(both[:, self.rows :].mul_(mask), self.b)
+            if self.fused:
+                grouped_lora.masked_add(y, both[:, self.rows :], mask, self.b)
+            else:
+                y.addmm_(both[:, self.rows :].mul_(mask), self.b)
         if self.grouped is not None:
             x = x.contiguous()
             outs = y.split(self.sizes, dim=-1)
@@ -203,7 +210,7 @@ class BatchedLM:
     """The model as one batched forward over rows in cache slots; see the module's docstring."""
 
     def __init__(self, model: torch.nn.Module, slots: int, context: int, deterministic: bool = False,
-                 lora_kernel: bool = False):
+                 lora_kernel: bool = False, fused: bool | None = None):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's too
 
         self.rope = apply_rotary_pos_emb
@@ -216,8 +223,9 @@ class BatchedLM:
         embed = inner.model.embed_tokens
         where = next(iter([*embed.parameters(), *embed.buffers()]))
         probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
+        fused = grouped_lora.available(probe) if fused is None else fused  # None: where Triton runs
         self.layers = [[Projection([layer.get_submodule(n) for n in group], self.adapters, layouts, lora_kernel,
-                                   probe.dtype)
+                                   probe.dtype, fused)
                         for group in GROUPS]
                        for layer in inner.model.layers]
         # per layout, what a token's adapter index gathers: its mask's row (stacked), or its place (grouped)

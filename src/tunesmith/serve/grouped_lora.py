@@ -8,7 +8,12 @@ zeros to one R, a power of two), each adapter's scale beside them. Per token t o
 
 A row of the base reads and writes nothing. Against serve.batch's stacked path (x @ A_all, times a per-token mask,
 then addmm with B_all: three kernels, every adapter's columns for every token) it is two kernels that read only
-the token's own adapter. `available` says whether it can run for a tensor; tests run it on the CPU under Triton's
+the token's own adapter.
+
+`masked_add` is the stacked path's second half as one kernel: y += (h * mask) @ B_all, the mask's product and the
+addition in place that PyTorch runs as two (mul_, then addmm_). Each program reads one block of B_all's columns
+once, for every token of the step, and each token's sum runs over the ranks in the same order whatever else the
+step holds. `available` says whether these can run for a tensor; tests run them on the CPU under Triton's
 interpreter (TRITON_INTERPRET=1).
 """
 
@@ -63,6 +68,39 @@ if triton is not None:
         delta = tl.sum(v[:, None] * b.to(tl.float32), axis=0)
         y = tl.load(y_ptr + t * stride_y + o, mask=keep, other=0.0)
         tl.store(y_ptr + t * stride_y + o, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=keep)
+
+
+    @triton.jit
+    def _masked_add(h_ptr, m_ptr, b_ptr, y_ptr, T, J, N, stride_h, stride_m, stride_y, IEEE: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        o = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for j0 in range(0, J, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            keep = (t[:, None] < T) & (j[None, :] < J)
+            h = tl.load(h_ptr + t[:, None] * stride_h + j[None, :], mask=keep, other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + t[:, None] * stride_m + j[None, :], mask=keep, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + j[:, None] * N + o[None, :], mask=(j[:, None] < J) & (o[None, :] < N), other=0.0)
+            hm = (h * m).to(b_ptr.dtype.element_ty)  # rounded to the weights' dtype, as the stacked path's mul_
+            acc += tl.dot(hm, b, input_precision="ieee" if IEEE else "tf32")
+        keep = (t[:, None] < T) & (o[None, :] < N)
+        y = tl.load(y_ptr + t[:, None] * stride_y + o[None, :], mask=keep, other=0.0)
+        tl.store(y_ptr + t[:, None] * stride_y + o[None, :], (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty),
+                 mask=keep)
+
+
+def masked_add(y: torch.Tensor, h: torch.Tensor, mask: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """y += (h * mask) @ b in place, one kernel. y [tokens, out] and h [tokens, ranks] may be views with a row
+    stride (the joined product's columns); mask [tokens, ranks] and b [ranks, out] contiguous; one dtype."""
+    tokens, ranks = h.shape
+    mask, b = mask.contiguous(), b.contiguous()
+    block_t = 16 if tokens <= 16 else 32
+    block_j = min(64, max(16, 1 << (ranks - 1).bit_length()))
+    grid = (triton.cdiv(y.shape[1], 64), triton.cdiv(tokens, block_t))
+    _masked_add[grid](h, mask, b, y, tokens, ranks, y.shape[1], h.stride(0), mask.stride(0), y.stride(0),
+                      IEEE=b.dtype == torch.float32, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_N=64)
+    return y
 
 
 def grouped(a: list[torch.Tensor], b: list[torch.Tensor], scales: list[float]):
