@@ -230,6 +230,10 @@ class BatchedLM:
                        for layer in inner.model.layers]
         # per layout, what a token's adapter index gathers: its mask's row (stacked), or its place (grouped)
         self.layouts = [per_adapter for _, per_adapter in sorted(layouts.values(), key=lambda v: v[0])]
+        # per layout, the adapters (indices) that add anything through it: known here, so a step asks the host,
+        # not the device, which LoRA products it needs
+        self.layout_adapters = [{a for a, row in enumerate(per_adapter.tolist())
+                                 if (row >= 0 if lora_kernel else any(row))} for per_adapter in self.layouts]
         self.lora_kernel = lora_kernel
         attn = inner.model.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
@@ -297,8 +301,9 @@ class BatchedLM:
         self.ensure_length(step.length)
         for slot in (s for s, *_ in rows):
             self.zero_ahead(slot, step.length)
-        masks = [m if bool((m >= 0).any() if self.lora_kernel else m.any()) else None  # no token of it: no LoRA
-                 for m in self.masks(step.adapters)]
+        present = {a for *_, a in rows}
+        masks = [m if present & adapters else None  # no token of it: no LoRA
+                 for m, adapters in zip(self.masks(step.adapters), self.layout_adapters, strict=True)]
         return self.run(step, masks, eager=True)
 
     def masks(self, adapters: torch.Tensor) -> list[torch.Tensor]:
