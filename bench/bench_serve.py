@@ -47,8 +47,9 @@ its engine's steps, graph captures and garbage collections logged (serve_traced)
 a request waited for its first token: the first alone request, and each burst together.
 
 --step times the server's forward alone instead, in-process, no HTTP: a decode step of the batched model
-(serve.batch.BatchedLM) at 1 and 8 rows, eager against CUDA graphs, and its LoRA over a mixed batch, stacked against the grouped Triton
-kernels (serve.grouped_lora), on random weights of a real shape.
+(serve.batch.BatchedLM) at 1 and 8 rows, eager against CUDA graphs, and its LoRA over a mixed batch three ways: stacked in
+PyTorch's ops, stacked with the mask and addition fused (serve.grouped_lora.masked_add, what the server takes where
+Triton runs), and the grouped Triton kernels (serve.grouped_lora), on random weights of a real shape.
 
     python bench/bench_serve.py --step [--shape meta-llama/Llama-3.2-1B] [--device cuda] [--runs 7] [--json out.json]
 
@@ -535,8 +536,12 @@ def step_main(args) -> None:
     from tunesmith.serve.graphs import DecodeGraphs
 
     model = random_peft(args.shape, args.device)
-    kernels = [False] + ([True] if grouped_lora.available(torch.zeros(1, device=args.device)) else [])
-    lms = {k: BatchedLM(model, slots=8, context=4096, lora_kernel=k) for k in kernels}
+    lms = {"stacked": BatchedLM(model, slots=8, context=4096, fused=False)}  # PyTorch's ops: mul_, addmm_
+    if grouped_lora.available(torch.zeros(1, device=args.device)):
+        lms["fused"] = BatchedLM(model, slots=8, context=4096, fused=True)  # the mask and addition in one kernel
+        lms["grouped"] = BatchedLM(model, slots=8, context=4096, lora_kernel=True)
+    paths = {"stacked": "stacked LoRA", "fused": "stacked LoRA, fused mask + add (Triton)",
+             "grouped": "grouped LoRA (Triton)"}
     rows = {}
     for n in (1, 8):
         rows[f"base x{n}"] = [(s, [5 + s], 40, 0) for s in range(n)]
@@ -551,22 +556,21 @@ def step_main(args) -> None:
     print(f"\n{args.shape}, random bf16 weights, {args.device}"
           f" ({torch.cuda.get_device_name() if args.device == 'cuda' else platform.machine()})\n")
     print("| step | path | ms per step | rows' tokens/s |\n|---|---|---|---|")
-    lm = lms[False]
+    lm = lms["stacked"]
     for name, batch in rows.items():
         graphs = lm.graphs
         lm.graphs = None
         record(name, "eager (packed)", timed(lambda b=batch: lm.forward(b, [True] * len(b)), args.device, args.runs), len(batch))
         lm.graphs = graphs if graphs is not None else DecodeGraphs(lm, capture=False)
         label = "CUDA graph" if lm.graphs.capture else "static step, eager"
-        record(name, label if name.startswith("base") else f"{label}, stacked LoRA", timed(lambda b=batch: lm.forward(b, [True] * len(b)), args.device, args.runs),
-               len(batch))
-        if True in lms and not name.startswith("base"):
-            record(name, f"{label}, grouped LoRA (Triton)",
-                   timed(lambda b=batch, g=lms[True]: g.forward(b, [True] * len(b)), args.device, args.runs),
-                   len(batch))
-    for k, g in lms.items():
+        for path, g in lms.items():
+            if name.startswith("base") and path != "stacked":
+                continue
+            record(name, label if name.startswith("base") else f"{label}, {paths[path]}",
+                   timed(lambda b=batch, g=g: g.forward(b, [True] * len(b)), args.device, args.runs), len(batch))
+    for path, g in lms.items():
         graphs, g.graphs = g.graphs, None
-        record("prefill 64 + 7 decoding, mixed", "eager, grouped LoRA (Triton)" if k else "eager, stacked LoRA",
+        record("prefill 64 + 7 decoding, mixed", f"eager, {paths[path]}",
                timed(lambda g=g: g.forward(prefill, [True] * 8), args.device, args.runs), 71)
         g.graphs = graphs
     invariance = {mode: batch_invariance(model, mode == "deterministic") for mode in ("default", "deterministic")}
