@@ -1014,3 +1014,25 @@ def test_a_qlora_adapter_over_its_quantized_base_is_batched_with_the_models_own_
             base = model(input_ids=torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(got[0], adapted, rtol=0, atol=1e-4)
     torch.testing.assert_close(got[1], base, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_fused_lora_addition_compiles_for_ampere_and_hopper(dtype, arch):
+    """serve.grouped_lora.masked_add's kernel as the GPU builds it (Triton's own ptxas, no GPU needed), at the
+    tiles a decode step and a prefill chunk launch it with: what the interpreter cannot check (the product's
+    precision for each dtype, bf16 loads)."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from tunesmith.serve import grouped_lora
+
+    kernel = grouped_lora._masked_add
+    names = kernel.arg_names
+    for block_t, block_j in ((16, 32), (16, 64), (32, 64)):
+        consts = {"IEEE": dtype == "fp32", "BLOCK_T": block_t, "BLOCK_J": block_j, "BLOCK_N": 64}
+        signature = {n: "constexpr" if n in consts else f"*{dtype}" if n.endswith("_ptr") else "i32" for n in names}
+        src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()})
+        built = compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+        assert built.asm["cubin"] and f".target sm_{arch}" in built.asm["ptx"]
