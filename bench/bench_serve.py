@@ -48,8 +48,8 @@ a request waited for its first token: the first alone request, and each burst to
 
 --step times the server's forward alone instead, in-process, no HTTP: a decode step of the batched model
 (serve.batch.BatchedLM) at 1 and 8 rows, eager against CUDA graphs, and its LoRA over a mixed batch three ways: stacked in
-PyTorch's ops, stacked with the mask and addition fused (serve.grouped_lora.masked_add, what the server takes where
-Triton runs), and the grouped Triton kernels (serve.grouped_lora), on random weights of a real shape.
+PyTorch's ops, stacked with the mask and addition fused in one Triton kernel (serve.grouped_lora.masked_add; BatchedLM's
+`fused`, off by default until this shows it faster), and the grouped Triton kernels (serve.grouped_lora), on random weights of a real shape.
 
     python bench/bench_serve.py --step [--shape meta-llama/Llama-3.2-1B] [--device cuda] [--runs 7] [--json out.json]
 

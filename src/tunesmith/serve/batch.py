@@ -23,7 +23,8 @@ token's own adapter, times its scale, and zeroes the rest, so `base(x) + ((x @ A
 its own `base(x) + scale * B(A(x))`, and exactly base(x) for a row of the base. Three kernels per group of linears
 whatever the batch holds (the product, the mask, the addition), and no copy of any weight per row: with a few
 adapters, the summed rank stays far below the hidden size and this costs less than gathering each row's A and B.
-(serve.grouped_lora computes the LoRA as two Triton kernels per linear that read only each token's own adapter.)
+(serve.grouped_lora computes the LoRA as two Triton kernels per linear that read only each token's own adapter,
+or, with `fused`, the mask and the addition above as one kernel.)
 
 On CUDA a step where every row decodes one token replays a CUDA graph (serve.graphs); the rest run as written here.
 """
@@ -210,7 +211,7 @@ class BatchedLM:
     """The model as one batched forward over rows in cache slots; see the module's docstring."""
 
     def __init__(self, model: torch.nn.Module, slots: int, context: int, deterministic: bool = False,
-                 lora_kernel: bool = False, fused: bool | None = None):
+                 lora_kernel: bool = False, fused: bool = False):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's too
 
         self.rope = apply_rotary_pos_emb
@@ -223,7 +224,9 @@ class BatchedLM:
         embed = inner.model.embed_tokens
         where = next(iter([*embed.parameters(), *embed.buffers()]))
         probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
-        fused = grouped_lora.available(probe) if fused is None else fused  # None: where Triton runs
+        # fused: the stacked LoRA's mask and addition as one Triton kernel (Projection). Off unless asked: on a
+        # GPU it has not been timed against PyTorch's two ops yet (`bench/bench_serve.py --step` times both)
+        fused = fused and grouped_lora.available(probe)
         self.layers = [[Projection([layer.get_submodule(n) for n in group], self.adapters, layouts, lora_kernel,
                                    probe.dtype, fused)
                         for group in GROUPS]
