@@ -633,31 +633,40 @@ def test_cpu_prediction_is_within_15_percent_of_the_measured_peak(model, seq, ba
 
 # The training modes on the CPU, measured (bench/bench_memory.py --suite modes; docs/MEMORY.md): SmolLM2-135M real
 # weights, seq 256, micro-batch 4, dropout 0.05, fp32, the fused loss. (targets, rank, checkpointing, mode, base,
-# optimizer, measured GiB: each run, the plan held to each). The quantized rows were measured again on
-# 2026-12-07, after the quantized load gave its freed copies back (the int4 row's second run: the same setup through
-# `tunesmith train`, 3 steps).
+# optimizer, --recompute, measured GiB per run). The rows without --recompute were measured on 2026-12-01 (a 2-core
+# AMD EPYC); the quantized rows again on 2026-12-07 there, after the quantized load gave its freed copies back (the
+# int4 row's second run: the same setup through `tunesmith train`, 3 steps); every row with --recompute once more on
+# 2026-12-07 on a 2-core Intel Xeon @ 2.60GHz (the last run of each). The same setup can differ by a third between
+# the two machines (nf4 on all linears: 2.854 and 3.960 GiB): glibc's heap, not the tensors. Each row's mean is held
+# to 15%, and each run to 20%.
 CPU_MEASURED_MODES = [
-    (QV, 8, False, "dora", "none", "adamw", (3.102,)),
-    (ALL, 16, False, "dora", "none", "adamw", (5.523,)),
-    (QV, 8, False, "lora", "nf4", "adamw", (2.412,)),
-    (ALL, 16, False, "lora", "nf4", "adamw", (2.854,)),
-    (QV, 8, True, "lora", "int4", "adamw", (1.209, 1.290)),
-    (QV, 8, False, "lora", "int8", "adamw", (2.735,)),
-    (QV, 8, False, "full", "none", "adamw", (5.207,)),
-    (QV, 8, False, "full", "none", "adamw8bit", (4.122,)),
+    (QV, 8, False, "dora", "none", "adamw", False, (3.102,)),
+    (QV, 8, False, "dora", "none", "adamw", True, (3.114,)),
+    (ALL, 16, False, "dora", "none", "adamw", False, (5.523,)),
+    (ALL, 16, False, "dora", "none", "adamw", True, (6.144,)),
+    (QV, 8, False, "lora", "nf4", "adamw", True, (2.412, 2.338)),
+    (ALL, 16, False, "lora", "nf4", "adamw", True, (2.854, 3.960)),
+    (QV, 8, True, "lora", "int4", "adamw", True, (1.209, 1.290, 1.208)),
+    (QV, 8, False, "lora", "int8", "adamw", True, (2.735, 2.563)),
+    (QV, 8, False, "full", "none", "adamw", False, (5.207,)),
+    (QV, 8, False, "full", "none", "adamw", True, (5.251,)),
+    (QV, 8, False, "full", "none", "adamw8bit", False, (4.122,)),
+    (QV, 8, False, "full", "none", "adamw8bit", True, (4.199,)),
 ]
 
 
-@pytest.mark.parametrize(("targets", "rank", "ckpt", "mode", "base", "optimizer", "measured"), CPU_MEASURED_MODES)
+@pytest.mark.parametrize(("targets", "rank", "ckpt", "mode", "base", "optimizer", "recompute", "measured"),
+                         CPU_MEASURED_MODES)
 def test_each_mode_is_predicted_within_15_percent_of_its_measured_cpu_peak(targets, rank, ckpt, mode, base,
-                                                                            optimizer, measured):
+                                                                            optimizer, recompute, measured):
     shape = M.ModelShape.from_config(M.read_model_config(SMOL))
     s = M.TrainSetup(seq_len=256, batch_size=4, lora_rank=rank, lora_targets=targets, lora_dropout=0.05,
                      precision="fp32", gradient_checkpointing=ckpt, device_type="cpu", fused_loss=True,
-                     fine_tune_type=mode, quantize_base=base, optimizer=optimizer)
+                     fine_tune_type=mode, quantize_base=base, optimizer=optimizer, recompute=recompute)
     predicted = sum(M.train_parts(shape, s).values()) / GIB
+    assert predicted == pytest.approx(sum(measured) / len(measured), rel=0.15)
     for run in measured:
-        assert predicted == pytest.approx(run, rel=0.15)
+        assert predicted == pytest.approx(run, rel=0.20)
 
 
 def test_a_calibrated_base_is_predicted_within_15_percent_of_its_measured_cpu_peak():
@@ -856,6 +865,51 @@ def test_fit_plans_the_built_in_gemma3_within_15_percent_of_its_measured_peak(tm
     assert done.returncode == 0, done.stderr[-2000:]
     predicted = float(re.search(r"fits: ([\d.]+) GiB predicted", done.stdout).group(1))
     assert predicted == pytest.approx(2.54, rel=0.15)
+
+
+# `tunesmith train` as the CLI runs it (fp32, seq 256, dropout 0.05, --recompute, the fused loss) on the real
+# SmolLM2-135M, micro-batch 1 to 32: the process's peak RSS (VmHWM), each run its own process, 3 or 4 steps (a 2-core
+# Intel Xeon @ 2.60GHz, glibc 2.36, torch 2.13, 2026-12-07). Planned with a constant heap slack these were +6% at
+# micro-batch 1 and -14%, -26%, -38%, -43% at 4, 8, 16, 32: glibc's heap keeps every layer's forward temporaries.
+# (targets, rank, micro-batch, measured GiB per run)
+CPU_MEASURED_MICRO_BATCH = [
+    (QV, 8, 1, (1.645, 1.64)),
+    (QV, 8, 2, (2.06, 1.88)),
+    (QV, 8, 4, (2.664, 2.94, 2.98, 2.84, 2.796, 2.768)),
+    (QV, 8, 8, (4.26, 4.29)),
+    (QV, 8, 16, (7.21,)),
+    (QV, 8, 32, (12.80,)),
+    (ALL, 16, 4, (3.76,)),
+    (ALL, 16, 8, (6.28,)),
+]
+
+
+@pytest.mark.parametrize(("targets", "rank", "batch", "runs"), CPU_MEASURED_MICRO_BATCH)
+def test_the_cpu_plan_follows_the_micro_batch_within_10_percent(targets, rank, batch, runs):
+    shape = M.ModelShape.from_config(M.read_model_config(SMOL))
+    s = M.TrainSetup(seq_len=256, batch_size=batch, lora_rank=rank, lora_targets=targets, lora_dropout=0.05,
+                     precision="fp32", device_type="cpu", fused_loss=True, recompute=True)
+    predicted = sum(M.train_parts(shape, s).values()) / GIB
+    for measured in runs:
+        assert predicted == pytest.approx(measured, rel=0.10), (predicted, runs)
+
+
+def test_the_cpu_heap_slack_is_the_layers_forward_temporaries_past_micro_batch_two():
+    """Measured at micro-batch 8 (the runs above): glibc's malloc_trim called as the decoder's forward ended gave
+    back 1.17 GiB; the plan's forward temporaries there are 1.10 GiB. Checkpointing keeps only the layers' inputs,
+    so its slack stays the constant; fewer trained layers free fewer temporaries."""
+    shape = M.ModelShape.from_config(M.read_model_config(SMOL))
+    s = M.TrainSetup(seq_len=256, batch_size=8, lora_rank=8, lora_targets=QV, precision="fp32", device_type="cpu",
+                     fused_loss=True, recompute=True)
+    assert M.forward_temporary_bytes(shape, s) / GIB == pytest.approx(1.17, rel=0.10)
+    assert M.train_parts(shape, s)["allocator"] == M.forward_temporary_bytes(shape, s)
+    assert M.forward_temporary_bytes(shape, replace(s, batch_size=16)) == 2 * M.forward_temporary_bytes(shape, s)
+    assert M.forward_temporary_bytes(shape, replace(s, num_layers=15)) == M.forward_temporary_bytes(shape, s) // 2
+    assert M.forward_temporary_bytes(shape, replace(s, precision="bf16")) == M.forward_temporary_bytes(shape, s) // 2
+    ckpt = replace(s, gradient_checkpointing=True)
+    assert M.forward_temporary_bytes(shape, ckpt) == 0
+    assert M.train_parts(shape, ckpt)["allocator"] == M.CPU_HEAP_SLACK_BYTES[True]
+    assert M.train_parts(shape, replace(s, batch_size=1))["allocator"] == M.CPU_HEAP_SLACK_BYTES[False]  # the floor
 
 
 def test_only_an_int8_base_adds_heap_slack_on_the_cpu_and_the_qlora_defaults_are_planned_within_10_percent():

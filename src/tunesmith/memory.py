@@ -44,9 +44,10 @@ CPU_RUNTIME_BYTES = 692 * 2**20  # python, torch, transformers, peft, accelerate
 # The tokenizer, held by the `tokenizers` library: about this much per vocabulary entry (measured: SmolLM2's 49k
 # entries 0.04 GiB, Gemma 3's 262k 0.31 GiB; docs/MEMORY.md, "CPU: the whole process").
 CPU_TOKENIZER_BYTES_PER_VOCAB = 1280
-# Freed blocks glibc's heaps keep at the peak. No trend with the activations was seen (35 MiB at 2 GiB of them,
-# 440 MiB at 1.1 GiB); with checkpointing more: the layers' freed forward temporaries still fill the heap when
-# the logits peak comes. The mean of the measured runs, without and with checkpointing.
+# Freed blocks glibc's heaps keep at the peak, at least (the mean of the measured runs, without and with
+# checkpointing). Without checkpointing they grow with the micro-batch: each decoder layer's forward temporaries
+# (below) are freed between the tensors autograd keeps, and the heap holds them all when the forward ends
+# (measured: malloc_trim there gave back 1.17 GiB at micro-batch 8; docs/MEMORY.md, "CPU: the whole process").
 CPU_HEAP_SLACK_BYTES = {False: 256 * 2**20, True: 370 * 2**20}
 # --gradient-checkpointing offload: decoder-layer inputs on the device at once (tunesmith.kernels.offload)
 OFFLOADED_INPUTS = 2
@@ -601,16 +602,36 @@ def cpu_parts(shape: ModelShape, s: TrainSetup, parts: dict[str, int]) -> dict[s
     when it is higher than training's. A checkpoint stored in another dtype than the weights' is read through its
     mapped file while the converted copy is made: for that moment the file's pages are resident beside the
     weights (Gemma 3 270M's fp32 file, 1 GiB, loaded in bf16)."""
-    out = {"runtime": CPU_RUNTIME_BYTES + CPU_TOKENIZER_BYTES_PER_VOCAB * shape.vocab,
-           "allocator": CPU_HEAP_SLACK_BYTES[bool(s.gradient_checkpointing)]}
+    slack = CPU_HEAP_SLACK_BYTES[bool(s.gradient_checkpointing)]
     if s.quantize_base in CPU_UNTRIMMED_SCHEMES or (s.quantize_base != "none" and s.base_calibration):
         copy = 4 if s.precision == "fp32" else 2  # bytes of a dequantized weight: the slack is measured in fp32
-        out["allocator"] += CPU_DEQUANT_SLACK_BYTES[bool(s.gradient_checkpointing)] * copy // 4
+        slack += CPU_DEQUANT_SLACK_BYTES[bool(s.gradient_checkpointing)] * copy // 4
+    # the forward's temporaries fill the same freed blocks: whichever is larger (measured: an int8 base at
+    # micro-batch 4 kept no more than the constants, 2.74 and 2.56 GiB)
+    out = {"runtime": CPU_RUNTIME_BYTES + CPU_TOKENIZER_BYTES_PER_VOCAB * shape.vocab,
+           "allocator": max(slack, forward_temporary_bytes(shape, s))}
     w = 4 if s.precision == "fp32" or s.full else 2
     if shape.saved_bytes and shape.saved_bytes != w and s.quantize_base == "none":
         loading = out["runtime"] + parts["weights"] + shape.params * shape.saved_bytes
         out["loading"] = max(0, loading - sum(parts.values()) - sum(out.values()))
     return out
+
+
+def forward_temporary_bytes(shape: ModelShape, s: TrainSetup) -> int:
+    """What glibc's heaps hold at the end of a CPU forward without checkpointing: every trained layer's freed
+    temporaries, which the blocks autograd keeps pin in place (the heap grows by them layer after layer instead of
+    reusing them). Per token, a layer frees its gated MLP's product (and SiLU(gate), which --recompute drops and
+    recomputes) and about three hidden-size tensors (the norm's output, attention's q and k before rotary, its
+    output before o_proj); a DoRA linear two of its outputs more (PEFT's base output recomputed on the dropped-out
+    input, and the scaled LoRA output). Fitted on the real SmolLM2-135M in fp32 (micro-batch 1 to 32, q,v r8 and
+    all-linear r16; docs/MEMORY.md); 0 with checkpointing, whose forward keeps only the layers' inputs."""
+    if s.gradient_checkpointing:
+        return 0
+    a = 4 if s.precision == "fp32" else 2
+    tokens = s.batch_size * s.seq_len
+    per_token = ((2 if _lean(shape, s) else 1) * shape.intermediate + 3 * shape.hidden) * a
+    dora = 2 * sum(o for _, o in adapted_linears(shape, s).values()) * a if s.fine_tune_type == "dora" else 0
+    return (per_token * len(trained_layers(shape, s.num_layers)) + dora) * tokens
 
 
 def calibration_bytes(shape: ModelShape, s: TrainSetup) -> int:
