@@ -193,6 +193,38 @@ def test_the_queue_is_first_come_first_served_and_running_answers_step_together(
     assert engine.steps == 8  # one forward per step for both rows
 
 
+def test_an_idle_engine_reads_a_burst_of_requests_in_one_step(tiny_model, tokenizer):
+    """Requests that reach an idle engine one after another, each within its gather window of the last, share the
+    first step (the window is long here, so that a busy machine cannot split the burst; it ends when the slots are
+    taken). A lone request still starts: the window ends when none follows."""
+    from tunesmith.generate import encode_prompt
+    from tunesmith.serve.engine import Job
+
+    done = threading.Semaphore(0)
+    job = lambda: Job(None, encode_prompt(tokenizer, "ROMEO:"), 4, 0.0, 1.0, 0, [],  # noqa: E731
+                      lambda item: done.release() if item is None else None)
+    engine = Engine(tiny_model, tokenizer, parallel=3, gather_s=60.0)
+    engine.start()
+    try:
+        for _ in range(3):
+            engine.submit(job())
+            time.sleep(0.05)  # far apart for a burst: the long window still holds the first step
+        for _ in range(3):
+            assert done.acquire(timeout=60)
+    finally:
+        engine.close()
+    assert engine.steps == 4  # one step reads the three prompts (each draws its first token), three decode them
+    assert [(f.tokens, f.reason) for f in engine.finished] == [(4, "length")] * 3
+    lone = Engine(tiny_model, tokenizer, parallel=3, gather_s=0.001)
+    lone.start()
+    try:
+        lone.submit(job())
+        assert done.acquire(timeout=60)
+    finally:
+        lone.close()
+    assert lone.steps == 4
+
+
 # ------------------------------------------------------------------------------------- the batched engine
 
 
