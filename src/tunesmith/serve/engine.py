@@ -38,9 +38,10 @@ WAITING_PER_SLOT = 4  # the queue holds this many requests per slot: beyond, a c
 # until far more tokens: a small chunk would make eight prompts arriving together take several such steps instead
 # of one, and every decoding row waits through each.
 PREFILL_CHUNK_CPU, PREFILL_CHUNK_ACCELERATOR = 64, 512
-# An idle engine's wait for the rest of a burst: requests sent together by one client arrive a fraction of a
-# millisecond apart (8 streaming clients over HTTP on an H100 host: 0.3-1.5 ms; in one run the first two came 8 ms
-# apart, which this misses), and a lone request waits this once, before its first step. The wait ends as soon as the free slots are taken, and after GATHER_MAX_S however many come.
+# An idle engine's wait for the rest of a burst: requests sent together arrive a fraction of a millisecond apart
+# (8 streaming clients over HTTP on an H100 host: 0.3-1.5 ms; in one run the first two came 8 ms apart, which this
+# misses), and a lone request waits this once, before its first step. The wait ends as soon as the free slots are
+# taken, and after GATHER_MAX_S however many come.
 GATHER_S, GATHER_MAX_S = 0.002, 0.02
 
 
