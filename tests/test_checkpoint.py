@@ -150,15 +150,16 @@ def test_a_tampered_state_json_is_a_named_error_not_a_crash(tmp_path, tiny_dir, 
 def test_a_failed_save_leaves_the_previous_checkpoint_byte_identical(tmp_path, tiny_dir, text_file, monkeypatch, fail_on):
     root = tmp_path / "run" / "checkpoints"
     before: dict[str, bytes] = {}
-    real = ck.write_file
+    def full_disk(real):  # the disk fills while step 4 is being saved
+        def write(path: Path, data) -> str:
+            if "step-000004" in str(path) and path.name == fail_on:
+                before.update(_bytes(root / "step-000002"))
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(path, data)
+        return write
 
-    def full_disk(path: Path, data: bytes) -> str:  # the disk fills while step 4 is being saved
-        if "step-000004" in str(path) and path.name == fail_on:
-            before.update(_bytes(root / "step-000002"))
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, data)
-
-    monkeypatch.setattr(ck, "write_file", full_disk)
+    monkeypatch.setattr(ck, "write_file", full_disk(ck.write_file))  # the marker and the JSON parts
+    monkeypatch.setattr(ck, "_write_part", full_disk(ck._write_part))  # the tensors
     with pytest.raises(TunesmithError) as e:
         _train(tmp_path, tiny_dir, text_file, max_steps=6, keep=1)
     assert "could not save checkpoint" in str(e.value) and "step-000004: No space left on device" in str(e.value)
@@ -250,9 +251,29 @@ def test_overwrite_replaces_an_earlier_runs_checkpoints_and_without_it_nothing_i
     assert [row["step"] for row in _rows(r.run_dir, "train")] == [1, 2, 3, 4]
 
 
+def test_a_checkpoint_writes_its_tensors_without_a_copy_of_them_in_memory(tmp_path):
+    """Full fine-tuning checkpoints every weight and two moments each: building the file in memory first held a
+    second copy of all of them, the whole run's peak (docs/MEMORY.md)."""
+    import tracemalloc
+
+    import safetensors.torch  # noqa: F401  (its import's own allocations are not the copy looked for)
+
+    tensors = {"w": torch.arange(4 * 2**20, dtype=torch.float32), "m": torch.ones(2**20)}  # 20 MiB
+    tracemalloc.start()
+    digest = ck._write_part(tmp_path / "t.safetensors", tensors)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 * 2**20, peak  # hashing reads 1 MiB at a time; all 20 MiB as bytes before
+    assert digest == ck._file_sha256(tmp_path / "t.safetensors")
+    back = storage.read_safetensors(tmp_path / "t.safetensors")
+    assert torch.equal(back["w"], tensors["w"]) and torch.equal(back["m"], tensors["m"])
+    with pytest.raises(OSError, match="No such file or directory"):  # safetensors' own I/O error, as an OSError
+        ck._write_part(tmp_path / "missing" / "t.safetensors", tensors)
+
+
 def test_safetensors_that_are_truncated_or_bit_flipped_are_named_errors(tmp_path):
     good = tmp_path / "good.safetensors"
-    ck.write_file(good, ck._safetensors_bytes({"w": torch.arange(64.0)}))
+    ck._write_part(good, {"w": torch.arange(64.0)})
     raw = good.read_bytes()
     for name, data in [("truncated", raw[:-7]), ("empty", b""), ("flipped", raw[:20] + bytes([raw[20] ^ 0x40]) + raw[21:])]:
         bad = tmp_path / f"{name}.safetensors"

@@ -112,7 +112,7 @@ class Checkpointer:
         tensors, meta = _optimizer_tensors(optimizer_state if optimizer_state is not None else optimizer.state_dict())
         if hasattr(model, "peft_config"):  # the checkpoint is also an adapter folder the other verbs load
             payload = {
-                ADAPTER: _safetensors_bytes(_adapter_tensors(model, trainable)),
+                ADAPTER: _adapter_tensors(model, trainable),
                 ADAPTER_CONFIG: json.dumps(adapter_config(model, self.config.get("model")), indent=2,
                                            sort_keys=True).encode(),
             }
@@ -120,13 +120,13 @@ class Checkpointer:
             if calibrated:  # the calibrated base's codes: resume restores them, the other verbs load them
                 from tunesmith.qlora import BASE_CODES, base_codes
 
-                payload[BASE_CODES] = _safetensors_bytes(base_codes(model))
+                payload[BASE_CODES] = base_codes(model)
             if self.config.get("model"):  # the base model, as a finished adapter folder records it
                 payload[BASE_FILE] = base_file(self.config["model"], self.config.get("quantize_base", "none"),
                                                calibrated)
         else:
-            payload = {TRAINABLE: _safetensors_bytes(_trainable_tensors(model, trainable))}
-        payload[OPTIMIZER] = _safetensors_bytes(tensors)
+            payload = {TRAINABLE: _trainable_tensors(model, trainable)}
+        payload[OPTIMIZER] = tensors
         body = {
             "format": FORMAT, **dataclasses.asdict(state), **self.identity, "config": self.config,
             "optimizer": meta, "scheduler": _scheduler_state(scheduler),
@@ -139,7 +139,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            body["files"] = {name: write_file(tmp / name, data) for name, data in payload.items()}
+            body["files"] = {name: _write_part(tmp / name, data) for name, data in payload.items()}
             state_json = json.dumps(body, indent=1).encode()
             write_file(tmp / STATE, state_json)
             storage.fsync_dir(tmp)
@@ -448,10 +448,22 @@ def _trainable_tensors(model, trainable: dict | None = None) -> dict[str, torch.
     return {n: p.detach().contiguous().cpu() for n, p in named.items()}
 
 
-def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
+def _write_part(path: Path, data: bytes | dict[str, torch.Tensor]) -> str:
+    """Write and fsync one file of a checkpoint (bytes, or tensors as safetensors); returns its sha256. Tensors go
+    to the file from their own memory: building the file in memory first (safetensors' `save`) held a second copy
+    of every weight and moment, which for full fine-tuning was the run's peak."""
+    if isinstance(data, bytes):
+        return write_file(path, data)
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
 
-    return save(tensors, metadata={"format": "pt"})
+    try:
+        save_file(data, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:  # its I/O errors (a full disk) are the caller's OSError
+        raise OSError(str(e)) from None
+    with open(path, "rb+") as f:
+        storage.fsync_file(f)
+    return _file_sha256(path)
 
 
 def _optimizer_tensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
