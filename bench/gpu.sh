@@ -2,7 +2,7 @@
 # The GPU side of the benchmarks, for an offline GPU machine (Python 3.12, torch 2.11, transformers 5.17, Triton).
 #   bash bench/gpu.sh wheels             here: download what the GPU machine lacks (below)
 #   bash bench/gpu.sh run PART [OUT]     there: one part of the measurements the docs quote, each inside one
-#                                        10-minute call: quick | qlora | ckpt-1b | ckpt-8b | serve | serve-fused | fit
+#                                        10-minute call: quick | qlora | ckpt-1b | ckpt-8b | serve | serve-fused | step | fit
 # `run` writes results (JSON Lines / JSON) to OUT (default: $OUT, else /tmp/gpu-runs).
 #
 # wheels: the peers bench/train_throughput.py runs and what `tunesmith serve` needs, as wheels into .whl/<set>/
@@ -45,7 +45,7 @@ wheels() {
 }
 
 run() {
-  local part=${1:?"PART: quick | qlora | ckpt-1b | ckpt-8b | serve | serve-fused | fit"}
+  local part=${1:?"PART: quick | qlora | ckpt-1b | ckpt-8b | serve | serve-fused | step | fit"}
   local out=${2:-${OUT:-/tmp/gpu-runs}}
   mkdir -p "$out"
   if [ ! -f /tmp/site/.unpacked ] && [ -f .whl/slim/site.tar.xz ]; then
@@ -65,13 +65,17 @@ run() {
         timeout 280 python3 bench/bench_serve.py --shape "$shape" --device cuda --clients 8 --max-tokens 128 --trace \
           --json "$out/serve-${shape##*/}.json" 2>&1 | grep -v " INFO" | tail -40
       done ;;
-    serve-fused)  # the fused LoRA addition against PyTorch's two ops: the step alone, then the 1B server both ways
-      timeout 200 python3 bench/bench_serve.py --step --device cuda --runs 5 --json "$out/step-Llama-3.2-1B.json" 2>&1 \
-        | grep -v " INFO" | tail -40
-      for fused in "" --fused; do
-        timeout 180 python3 bench/bench_serve.py --shape meta-llama/Llama-3.2-1B --device cuda --clients 8 --max-tokens 128 \
-          --no-hf-reference --trace $fused --json "$out/serve-Llama-3.2-1B${fused:+-fused}.json" 2>&1 | grep -v " INFO" | tail -30
+    serve-fused)  # both shapes' servers with PyTorch's two LoRA ops and with the fused LoRA addition, in turn
+      for shape in meta-llama/Llama-3.2-1B HuggingFaceTB/SmolLM2-135M-Instruct; do
+        for fused in "" --fused; do
+          timeout 140 python3 bench/bench_serve.py --shape "$shape" --device cuda --clients 8 --max-tokens 128 \
+            --no-hf-reference --trace $fused --json "$out/serve-${shape##*/}${fused:+-fused}.json" 2>&1 \
+            | grep -v " INFO" | tail -14
+        done
       done ;;
+    step)  # the decode step alone, the fused LoRA addition against PyTorch's two ops (the 1B shape)
+      timeout 200 python3 bench/bench_serve.py --step --device cuda --runs 5 --json "$out/step-Llama-3.2-1B.json" 2>&1 \
+        | grep -v " INFO" | tail -40 ;;
     fit) python3 bench/qlora_acceptance.py --device cuda --parallel --out "$out/qlora-cuda.json" ;;
     *) echo "unknown part: $part"; exit 2 ;;
   esac
