@@ -42,16 +42,16 @@ chat template joins the messages' text); the answers are random words, their tim
 --hf-reference (the default on CUDA) times transformers' `generate` (greedy, its own KV cache) on the first two
 base prompts alone, in this process, after the server has stopped: the plain single stream to compare "alone, base
 only" with.
---deterministic starts the server with it (answers that do not depend on the batch). --fused starts it with its
-stacked LoRA's mask and addition as one Triton kernel (BatchedLM's `fused`, patched in as --trace patches; where
-Triton runs), to set against the same run without. --trace runs the server with
+--deterministic starts the server with it (answers that do not depend on the batch). --unfused starts it with its
+stacked LoRA's mask and addition as PyTorch's two ops instead of the one Triton kernel it takes where Triton runs
+(BatchedLM's `fused`, patched out as --trace patches), to set against the same run with it. --trace runs the server with
 its engine's steps, graph captures and garbage collections logged (serve_traced), and prints those that fall while
 a request waited for its first token: the first alone request, and each burst together.
 
 --step times the server's forward alone instead, in-process, no HTTP: a decode step of the batched model
 (serve.batch.BatchedLM) at 1 and 8 rows, eager against CUDA graphs, and its LoRA over a mixed batch three ways: stacked in
 PyTorch's ops, stacked with the mask and addition fused in one Triton kernel (serve.grouped_lora.masked_add; BatchedLM's
-`fused`, off by default until this shows it faster), and the grouped Triton kernels (serve.grouped_lora), on random weights of a real shape.
+`fused`, the server's default where Triton runs), and the grouped Triton kernels (serve.grouped_lora), on random weights of a real shape.
 
     python bench/bench_serve.py --step [--shape meta-llama/Llama-3.2-1B] [--device cuda] [--runs 7] [--json out.json]
 
@@ -188,13 +188,13 @@ def hf_reference(model: str, device: str, prompts: list[str], max_tokens: int, a
 
 
 def start_server(model: str, parallel: int, adapters: list[str], src: str | None = None, device: str = "cpu",
-                 deterministic: bool = False, trace: str = "", fused: bool = False):
+                 deterministic: bool = False, trace: str = "", unfused: bool = False):
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     flags = [f for a in adapters for f in ("--adapter", a)]
     flags += ["--deterministic"] if deterministic else []
-    run = ([__file__, "--serve-traced", trace or os.devnull, *(["--fused"] if fused else []), "--"] if trace or fused
+    run = ([__file__, "--serve-traced", trace or os.devnull, *(["--unfused"] if unfused else []), "--"] if trace or unfused
            else ["-m", "tunesmith.cli"])
     proc = subprocess.Popen([sys.executable, *run, "serve", "--model", model, "--port", "0",
                              "--parallel", str(parallel), "--device", device, *flags], stdout=subprocess.PIPE,
@@ -659,13 +659,13 @@ def http_ceiling(engine, model, tokenizer, runs: int) -> None:
                   f"{asyncio.run(clients(url, n)):,.0f} tok/s in all (median of {runs})")
 
 
-def serve_traced(path: str, argv: list[str], fused: bool = False) -> None:
+def serve_traced(path: str, argv: list[str], unfused: bool = False) -> None:
     """`tunesmith serve` (argv) with the engine's work written to `path` as it happens, a JSON line per event:
     [kind, start, end, detail] in time.perf_counter() seconds (CLOCK_MONOTONIC on Linux: the clients' clock in the
     other process). submit: a request reaches the engine (detail: prompt tokens); step: an eager or single graph
     step (rows, rows still reading their prompt, tokens); ahead: a run of decode steps launched ahead (rows, steps);
     first: a request's first token drawn; capture: a decode graph captured (batch, length, lora); gc: a collection
-    (generation). fused: every BatchedLM the server builds takes fused=True (--fused)."""
+    (generation). unfused: every BatchedLM the server builds takes fused=False (--unfused)."""
     import gc
 
     from tunesmith.cli import main as cli_main
@@ -691,11 +691,11 @@ def serve_traced(path: str, argv: list[str], fused: bool = False) -> None:
                     log(kind, start, [*before, getattr(self, "steps", 0) - steps])
         setattr(cls, name, traced)
 
-    if fused:
+    if unfused:
         from tunesmith.serve import batch as B
 
         init = B.BatchedLM.__init__
-        B.BatchedLM.__init__ = lambda self, *a, fused=True, **k: init(self, *a, fused=fused, **k)
+        B.BatchedLM.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "fused": False})
     wrap(E.Engine, "submit", "submit", lambda self, job: [len(job.prompt_ids)])
     wrap(E.Engine, "_step", "step", lambda self, active, free: [
         len(active), sum(not r.answer.generated for r in active), sum(len(r.pending) for r in active)])
@@ -729,9 +729,9 @@ def traced_windows(path: str, raw: dict) -> dict[str, list]:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--serve-traced"]:  # internal: PATH [--fused] -- SERVE ARGS (start_server)
+    if sys.argv[1:2] == ["--serve-traced"]:  # internal: PATH [--unfused] -- SERVE ARGS (start_server)
         rest = sys.argv[3:]
-        return serve_traced(sys.argv[2], rest[rest.index("--") + 1:], fused=rest[0] == "--fused")
+        return serve_traced(sys.argv[2], rest[rest.index("--") + 1:], unfused=rest[0] == "--unfused")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--shape", default="", help="random weights of this shape instead of --model (see the docstring)")
@@ -751,8 +751,9 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--trace", action="store_true",
                     help="log the server's engine steps and print those of the windows before first tokens")
-    ap.add_argument("--fused", action="store_true",
-                    help="the server's stacked LoRA takes the fused mask + add kernel (BatchedLM fused=True)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="the server's stacked LoRA takes PyTorch's mask and addition, not the fused kernel it takes "
+                         "where Triton runs (BatchedLM fused=False)")
     args = ap.parse_args()
     if args.step:
         return step_main(args)
@@ -773,7 +774,7 @@ def main() -> None:
         adapters = make_adapters(args.model, Path(tmp), args.device)
         trace = str(Path(tmp) / "trace.jsonl") if args.trace else ""
         servers = [start_server(args.model, args.clients, adapters, device=args.device,
-                                deterministic=args.deterministic, trace=trace, fused=args.fused)]
+                                deterministic=args.deterministic, trace=trace, unfused=args.unfused)]
         if args.reference_src:
             servers.append(start_server(args.model, 1, [], args.reference_src, args.device))
         try:
@@ -806,7 +807,7 @@ def main() -> None:
              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
     print(f"\n{args.shape or args.model}{' (random weights)' if args.shape else ''}, {args.clients} streaming chat "
           f"clients, greedy, max_tokens {args.max_tokens}, mixed: {' / '.join(models)} in turn"
-          f"{', --deterministic' if args.deterministic else ''}{', fused LoRA addition' if args.fused else ''}; "
+          f"{', --deterministic' if args.deterministic else ''}{', LoRA addition unfused' if args.unfused else ''}; "
           f"{args.device}: {where}\n")
     table(groups)
     if reference:
@@ -816,7 +817,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.shape or args.model, "device": args.device, "where": where,
-                       "deterministic": args.deterministic, "fused": args.fused, "clients": args.clients,
+                       "deterministic": args.deterministic, "unfused": args.unfused, "clients": args.clients,
                        "max_tokens": args.max_tokens,
                        "results": groups, "hf_generate": reference,
                        "rows": {k: v["rows"] for k, v in raw.items() if k in runs},

@@ -65,11 +65,11 @@ run() {
         timeout 280 python3 bench/bench_serve.py --shape "$shape" --device cuda --clients 8 --max-tokens 128 --trace \
           --json "$out/serve-${shape##*/}.json" 2>&1 | grep -v " INFO" | tail -40
       done ;;
-    serve-fused)  # both shapes' servers with PyTorch's two LoRA ops and with the fused LoRA addition, in turn
+    serve-fused)  # both shapes' servers with the fused LoRA addition (the default) and with PyTorch's two ops, in turn
       for shape in meta-llama/Llama-3.2-1B HuggingFaceTB/SmolLM2-135M-Instruct; do
-        for fused in "" --fused; do
+        for unfused in "" --unfused; do
           timeout 140 python3 bench/bench_serve.py --shape "$shape" --device cuda --clients 8 --max-tokens 128 \
-            --no-hf-reference --trace $fused --json "$out/serve-${shape##*/}${fused:+-fused}.json" 2>&1 \
+            --no-hf-reference --trace $unfused --json "$out/serve-${shape##*/}${unfused:+-unfused}.json" 2>&1 \
             | grep -v " INFO" | tail -14
         done
       done ;;

@@ -1068,3 +1068,19 @@ def test_the_fused_lora_addition_compiles_for_ampere_and_hopper(dtype, arch):
         src = ASTSource(kernel, signature, {(names.index(n),): v for n, v in consts.items()})
         built = compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
         assert built.asm["cubin"] and f".target sm_{arch}" in built.asm["ptx"]
+
+
+def test_the_server_takes_the_fused_lora_addition_unless_deterministic(monkeypatch):
+    """The engine asks BatchedLM for the fused mask + add kernel (it runs where Triton runs: CUDA); the
+    deterministic mode keeps PyTorch's two ops, as it was measured."""
+    from tunesmith.serve import batch, engine
+
+    seen = []
+    monkeypatch.setattr(batch, "unsupported", lambda model: None)
+    monkeypatch.setattr(batch, "BatchedLM", lambda model, slots, context, deterministic, fused:
+                        seen.append((slots, context, deterministic, fused)))
+    monkeypatch.setattr("tunesmith.models.context_length", lambda model, tokenizer: 64)
+    model = torch.nn.Linear(2, 2)
+    engine.make_runner(model, None, 3)
+    engine.make_runner(model, None, 2, deterministic=True)
+    assert seen == [(3, 64, False, True), (2, 64, True, False)]

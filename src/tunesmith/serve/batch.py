@@ -224,8 +224,8 @@ class BatchedLM:
         embed = inner.model.embed_tokens
         where = next(iter([*embed.parameters(), *embed.buffers()]))
         probe = embed(torch.zeros(1, dtype=torch.long, device=where.device))
-        # fused: the stacked LoRA's mask and addition as one Triton kernel (Projection). Off unless asked: on a
-        # GPU it has not been timed against PyTorch's two ops yet (`bench/bench_serve.py --step` times both)
+        # fused: the stacked LoRA's mask and addition as one Triton kernel (Projection), where Triton runs (the
+        # server asks for it unless --deterministic; `bench/bench_serve.py --unfused` serves without it)
         fused = fused and grouped_lora.available(probe)
         self.layers = [[Projection([layer.get_submodule(n) for n in group], self.adapters, layouts, lora_kernel,
                                    probe.dtype, fused)
